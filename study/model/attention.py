@@ -1,0 +1,190 @@
+"""Attention: one module for self- and cross-attention, always through SDPA.
+
+`torch.nn.functional.scaled_dot_product_attention` picks the flash or
+memory-efficient kernel on GPU (and the fused CPU kernel here). Everything
+that varies between architectures reaches it through two narrow inputs:
+
+- K/V with `n_kv_heads` heads, shared across query-head groups (MHA when
+  n_kv_heads == n_heads, GQA in between, MQA when 1; Shazeer 2019, Ainslie et al. 2023);
+- an additive bias built once per forward for each attention span (causal,
+  padding, sliding window, ALiBi/T5 position bias), or `is_causal=True` when the
+  plain causal mask is all there is, so the fastest kernel can run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from study.model.positions import apply_rotary
+
+# Added to the scores of key positions a query must not see. Finite (not -inf) so a
+# query with no visible key (an all-padding row) yields a uniform, not NaN, average,
+# and representable in bfloat16.
+MASKED = -1e9
+
+try:  # torch >= 2.5 shares K/V heads inside SDPA without materialising copies
+    _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+except Exception:  # pragma: no cover
+    _SDPA_HAS_GQA = False
+
+
+def span_mask(
+    q_positions: torch.Tensor, k_positions: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor | None:
+    """Boolean (Tq, Tk) mask of visible keys, or None when every key is visible.
+
+    A window of W lets a query see the W most recent positions including itself
+    (key j visible from query i iff i - j < W), as Mistral's sliding window does;
+    in a bidirectional stack it is symmetric (|i - j| < W).
+    """
+    if not causal and window is None:
+        return None
+    offset = q_positions[:, None] - k_positions[None, :]
+    visible = torch.ones_like(offset, dtype=torch.bool)
+    if causal:
+        visible &= offset >= 0
+    if window is not None:
+        visible &= offset.abs() < window
+    return visible
+
+
+def attention_bias(
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    *,
+    causal: bool,
+    window: int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, bool]:
+    """Combine span, padding and position bias into one additive (B|1, H|1, Tq, Tk) float bias.
+
+    Returns (bias, is_causal). When the only constraint is a plain causal mask over a
+    square score matrix, returns (None, True) so SDPA can use its causal kernel.
+    `key_padding_mask` is (B, Tk) with True for real tokens.
+    """
+    square = q_positions.numel() == k_positions.numel()
+    if causal and window is None and key_padding_mask is None and position_bias is None and square:
+        return None, True
+    visible = span_mask(q_positions, k_positions, causal, window)
+    if visible is not None:
+        visible = visible[None, None]
+    if key_padding_mask is not None:
+        pad = key_padding_mask.bool()[:, None, None, :]
+        visible = pad if visible is None else visible & pad
+    if visible is None and position_bias is None:
+        return None, False
+    bias = position_bias[None].float() if position_bias is not None else torch.zeros((1, 1) + visible.shape[-2:], device=q_positions.device)
+    if visible is not None:
+        bias = bias.masked_fill(~visible, MASKED)
+    return bias, False
+
+
+@dataclass
+class KVCache:
+    """Keys and values of past positions for incremental decoding.
+
+    Stores `n_kv_heads` heads per layer, so MQA/GQA shrink it by n_heads / n_kv_heads.
+    Self-attention entries grow by one step per call; cross-attention entries (the
+    encoder memory projected once) are computed on the first decoding step.
+    """
+
+    self_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        if not self.self_kv:
+            return 0
+        k, _ = next(iter(self.self_kv.values()))
+        return k.shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.self_kv:
+            past_k, past_v = self.self_kv[layer]
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        self.self_kv[layer] = (k, v)
+        return k, v
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows (beam search keeps the surviving hypotheses)."""
+        for store in (self.self_kv, self.cross_kv):
+            for layer, (k, v) in store.items():
+                store[layer] = (k.index_select(0, index), v.index_select(0, index))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in (self.self_kv, self.cross_kv) for kv in s.values() for t in kv)
+
+
+def _sdpa(q, k, v, bias, is_causal, dropout_p, n_rep):
+    if n_rep > 1:
+        if _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
+            )
+        b, h, t, d = k.shape
+        k = k[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+        v = v[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=is_causal)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with n_kv_heads K/V heads; `cross=True` attends to a memory."""
+
+    def __init__(self, cfg, layer_idx: int, cross: bool = False):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cross = cross
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.resolved_n_kv_heads
+        self.head_dim = cfg.resolved_head_dim
+        self.dropout_p = cfg.resolved_attention_dropout
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if cross:
+            self.q_proj = nn.Linear(cfg.d_model, q_dim, bias=cfg.bias)
+            self.kv_proj = nn.Linear(cfg.d_model, 2 * kv_dim, bias=cfg.bias)
+        else:  # one fused projection: rows are [q; k; v]
+            self.qkv_proj = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(q_dim, cfg.d_model, bias=cfg.bias)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        is_causal: bool,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        memory: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if self.cross:
+            q = self._heads(self.q_proj(x), self.n_heads)
+            if cache is not None and self.layer_idx in cache.cross_kv:
+                k, v = cache.cross_kv[self.layer_idx]
+            else:
+                k, v = self.kv_proj(memory).split([kv_dim, kv_dim], dim=-1)
+                k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+                if cache is not None:
+                    cache.cross_kv[self.layer_idx] = (k, v)
+        else:
+            q, k, v = self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            if rotary is not None:
+                cos, sin = rotary
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if cache is not None:
+                k, v = cache.append(self.layer_idx, k, v)
+        if bias is not None and bias.dtype != q.dtype:
+            bias = bias.to(q.dtype)
+        dropout_p = self.dropout_p if self.training else 0.0
+        out = _sdpa(q, k, v, bias, is_causal, dropout_p, self.n_heads // self.n_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, q_dim))

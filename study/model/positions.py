@@ -1,0 +1,180 @@
+"""Position scheme axis.
+
+A scheme may do any of three things, and the rest of the model only ever calls
+these three hooks:
+
+- `embed(positions)`          -> (T, d) added to the token embeddings, or None
+- `rotary(positions)`         -> (cos, sin) used to rotate q and k, or None
+- `bias(q_positions, k_positions)` -> (H, Tq, Tk) added to attention scores, or None
+
+One instance per stack (encoder and decoder have their own, as in T5). The
+`causal` flag tells bias schemes whether the stack can see the future.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from study.model.registry import Registry
+
+POSITIONS: Registry[type["PositionScheme"]] = Registry("position")
+
+
+class PositionScheme(nn.Module):
+    #: False for schemes with a fixed table that cannot go past `max_seq_len`.
+    extrapolates = True
+
+    def __init__(self, cfg, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
+
+    def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
+@POSITIONS.register("none", "no position information (NoPE; Kazemnejad et al. 2023) - causal masking alone")
+class NoPosition(PositionScheme):
+    pass
+
+
+@POSITIONS.register("learned", "learned absolute position embeddings (BERT, GPT-2); cannot exceed max_seq_len")
+class LearnedPosition(PositionScheme):
+    extrapolates = False
+
+    def __init__(self, cfg, causal: bool):
+        super().__init__(cfg, causal)
+        self.max_seq_len = cfg.max_seq_len
+        self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor:
+        last = int(positions[-1]) if positions.numel() else 0
+        if last >= self.max_seq_len:
+            raise ValueError(
+                f"position {last} is beyond max_seq_len={self.max_seq_len}: learned position embeddings "
+                f"cannot extrapolate; raise max_seq_len or use position in {sorted(p for p in POSITIONS if p != 'learned')}"
+            )
+        return self.table(positions)
+
+
+def sinusoid_table(positions: torch.Tensor, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / base^(2i/d)), PE(pos, 2i+1) = cos(...)  (Vaswani et al. 2017, sec. 3.5)."""
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    table = torch.zeros(positions.numel(), dim, device=positions.device)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles[:, : dim // 2])
+    return table
+
+
+@POSITIONS.register("sinusoidal", "fixed sinusoidal absolute embeddings (Vaswani et al. 2017)")
+class SinusoidalPosition(PositionScheme):
+    def __init__(self, cfg, causal: bool):
+        super().__init__(cfg, causal)
+        self.dim = cfg.d_model
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor:
+        return sinusoid_table(positions, self.dim)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of each head by position-dependent angles (the half-split
+    layout used by GPT-NeoX and Hugging Face Llama; equivalent to Su et al.'s interleaved pairs
+    up to a fixed permutation of the head dimensions)."""
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+@POSITIONS.register("rope", "rotary position embedding on q and k (Su et al. 2021, RoFormer; Llama)")
+class RotaryPosition(PositionScheme):
+    def __init__(self, cfg, causal: bool):
+        super().__init__(cfg, causal)
+        dim = cfg.resolved_head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def alibi_slopes(n_heads: int) -> list[float]:
+    """Head slopes of Press et al. 2022 (ALiBi), their reference code: a geometric sequence
+    starting at 2^(-8/n); for a head count that is not a power of two, the slopes of the
+    closest lower power of two followed by every other slope of the next one."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return power_of_two(n_heads)
+    closest = 2 ** math.floor(math.log2(n_heads))
+    return power_of_two(closest) + alibi_slopes(2 * closest)[0::2][: n_heads - closest]
+
+
+@POSITIONS.register("alibi", "linear distance penalty on attention scores (Press et al. 2022, ALiBi)")
+class AlibiPosition(PositionScheme):
+    def __init__(self, cfg, causal: bool):
+        super().__init__(cfg, causal)
+        self.register_buffer("slopes", torch.tensor(alibi_slopes(cfg.n_heads)), persistent=False)
+
+    def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        # -m * (i - j) for keys j <= i; bidirectional stacks penalise |i - j| symmetrically.
+        distance = (q_positions[:, None] - k_positions[None, :]).abs().float()
+        return -self.slopes[:, None, None] * distance[None]
+
+
+def t5_relative_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """Bucket of (key - query) offsets, Raffel et al. 2020 (T5): exact buckets for small
+    offsets, logarithmic ones up to max_distance; half the buckets per direction when
+    bidirectional."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        relative_position = relative_position.abs()
+    else:
+        relative_position = -torch.clamp(relative_position, max=0)
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    large = max_exact + (
+        torch.log(relative_position.float().clamp(min=1) / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).long()
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, relative_position, large)
+
+
+@POSITIONS.register("t5_bias", "learned bucketed relative bias per head, shared across layers (Raffel et al. 2020, T5)")
+class T5RelativeBias(PositionScheme):
+    def __init__(self, cfg, causal: bool):
+        super().__init__(cfg, causal)
+        self.num_buckets = cfg.rel_buckets
+        self.max_distance = cfg.rel_max_distance
+        self.table = nn.Embedding(cfg.rel_buckets, cfg.n_heads)
+
+    def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        relative = k_positions[None, :] - q_positions[:, None]
+        buckets = t5_relative_bucket(relative, not self.causal, self.num_buckets, self.max_distance)
+        return self.table(buckets).permute(2, 0, 1)
+
+
+def make_position(cfg, causal: bool) -> PositionScheme:
+    return POSITIONS[cfg.position](cfg, causal)

@@ -1,0 +1,316 @@
+"""Blocks, stacks and the three model shapes (encoder, decoder, encoder-decoder).
+
+A `Block` is self-attention [+ cross-attention] + FFN, each wrapped by the
+residual recipe chosen by `norm_position`. A `Stack` embeds tokens, builds the
+attention bias once per span kind ('local' / 'global') from the position scheme
+and masks, and runs its blocks. The models only add heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from study.config.model import ModelConfig
+from study.model.attention import Attention, KVCache, attention_bias
+from study.model.ffn import ACTIVATIONS, FeedForward
+from study.model.norms import make_norm
+from study.model.positions import make_position
+from study.model.residual import RESIDUALS
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention scores will have: the autocast dtype when autocast is on."""
+    device = x.device.type
+    try:
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+    except TypeError:  # torch < 2.4
+        if device == "cpu" and torch.is_autocast_cpu_enabled():
+            return torch.get_autocast_cpu_dtype()
+        if device == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return x.dtype
+
+
+@dataclass
+class StackInputs:
+    """What every block of one forward pass shares."""
+
+    masks: dict[str, tuple[torch.Tensor | None, bool]]  # span -> (bias, is_causal)
+    rotary: tuple[torch.Tensor, torch.Tensor] | None
+    memory: torch.Tensor | None = None
+    memory_bias: torch.Tensor | None = None
+    cache: KVCache | None = None
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, span: str, cross: bool):
+        super().__init__()
+        residual = RESIDUALS[cfg.norm_position]
+
+        def wrap() -> nn.Module:
+            return residual(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, cfg.dropout)
+
+        self.span = span
+        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn_residual = wrap()
+        self.cross_attn = Attention(cfg, layer_idx, cross=True) if cross else None
+        self.cross_attn_residual = wrap() if cross else None
+        self.ffn = FeedForward(cfg)
+        self.ffn_residual = wrap()
+
+    def forward(self, x: torch.Tensor, inputs: StackInputs) -> torch.Tensor:
+        bias, is_causal = inputs.masks[self.span]
+        x = self.self_attn_residual(
+            x, lambda h: self.self_attn(h, bias, is_causal, rotary=inputs.rotary, cache=inputs.cache)
+        )
+        if self.cross_attn is not None:
+            x = self.cross_attn_residual(
+                x, lambda h: self.cross_attn(h, inputs.memory_bias, False, memory=inputs.memory, cache=inputs.cache)
+            )
+        return self.ffn_residual(x, self.ffn)
+
+
+class Stack(nn.Module):
+    """Embeddings -> blocks -> final norm (for pre/sandwich residuals)."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, causal: bool, cross: bool, token_embedding: nn.Embedding):
+        super().__init__()
+        self.cfg = cfg
+        self.causal = causal
+        self.token_embedding = token_embedding
+        self.type_embedding = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+        self.position = make_position(cfg, causal)
+        self.embedding_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias) if cfg.embedding_norm else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.spans = cfg.layer_spans(n_layers)
+        self.blocks = nn.ModuleList(Block(cfg, i, span, cross) for i, span in enumerate(self.spans))
+        needs_final = RESIDUALS[cfg.norm_position].needs_final_norm
+        self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias) if needs_final else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        token_type_ids: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_padding_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """`padding_mask`/`memory_padding_mask`: (B, T) True for real tokens. With a cache,
+        `padding_mask` covers the past and the new positions."""
+        cfg = self.cfg
+        b, t = input_ids.shape
+        start = cache.length if cache is not None else 0
+        device = input_ids.device
+        q_pos = torch.arange(start, start + t, device=device)
+        k_pos = torch.arange(0, start + t, device=device) if start else q_pos
+
+        h = self.token_embedding(input_ids)
+        if cfg.embed_scale:
+            h = h * math.sqrt(cfg.d_model)
+        if self.type_embedding is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            h = h + self.type_embedding(token_type_ids)
+        pe = self.position.embed(q_pos)
+        if pe is not None:
+            h = h + pe.to(h.dtype)
+        if self.embedding_norm is not None:
+            h = self.embedding_norm(h)
+        h = self.dropout(h)
+
+        dtype = _compute_dtype(h)
+        position_bias = self.position.bias(q_pos, k_pos)
+        masks = {}
+        for span in set(self.spans):
+            bias, is_causal = attention_bias(
+                q_pos,
+                k_pos,
+                causal=self.causal,
+                window=cfg.window if span == "local" else None,
+                key_padding_mask=padding_mask,
+                position_bias=position_bias,
+            )
+            masks[span] = (bias.to(dtype) if bias is not None else None, is_causal)
+        memory_bias = None
+        if memory is not None and memory_padding_mask is not None:
+            mem_pos = torch.arange(memory.shape[1], device=device)
+            memory_bias, _ = attention_bias(q_pos, mem_pos, causal=False, key_padding_mask=memory_padding_mask)
+            memory_bias = memory_bias.to(dtype)
+        inputs = StackInputs(masks, self.position.rotary(q_pos), memory, memory_bias, cache)
+        for block in self.blocks:
+            h = block(h, inputs)
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        return h
+
+
+class TransformerBase(nn.Module):
+    config: ModelConfig
+
+    def _init_weights(self) -> None:
+        """Normal(0, init_std) for matrices and embeddings, zero biases; residual output
+        projections scaled by 1/sqrt(2 * layers) (Radford et al. 2019, GPT-2). With
+        embed_scale, token embeddings start at std d^-1/2 so the scaled sum has unit
+        variance (Vaswani et al. 2017)."""
+        cfg = self.config
+        n_residual = 2 * (cfg.n_layers + (cfg.resolved_encoder_layers if cfg.arch == "encoder-decoder" else 0))
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = cfg.init_std
+                if name.endswith(("o_proj", "ffn.w_out")):
+                    std = cfg.init_std / math.sqrt(n_residual)
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, cfg.init_std)
+        if cfg.embed_scale:
+            nn.init.normal_(self.token_embedding.weight, 0.0, cfg.d_model**-0.5)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}  # tied weights count once
+        n = sum(p.numel() for p in params.values())
+        if exclude_embeddings:
+            n -= sum(
+                m.weight.numel() for m in {id(m): m for m in self.modules() if isinstance(m, nn.Embedding)}.values()
+            )
+        return n
+
+
+class LMHead(nn.Module):
+    """Projection to the vocabulary; shares the token embedding matrix when tied (Press & Wolf 2017)."""
+
+    def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding, bias: bool = False):
+        super().__init__()
+        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=bias)
+        if cfg.tie_embeddings:
+            self.proj.weight = token_embedding.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(h)
+
+
+class DecoderLM(TransformerBase):
+    """Decoder-only causal language model (GPT-2, Llama, Mistral)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.decoder = Stack(cfg, cfg.n_layers, causal=True, cross=False, token_embedding=self.token_embedding)
+        self.lm_head = LMHead(cfg, self.token_embedding)
+        self._init_weights()
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.lm_head(self.decoder(input_ids, cache=cache, padding_mask=padding_mask))
+
+
+class MLMHead(nn.Module):
+    """BERT's masked-LM head: dense + activation + norm, then the (tied) vocabulary projection with a bias."""
+
+    def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding):
+        super().__init__()
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+        self.activation = ACTIVATIONS[cfg.activation].fn
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
+        self.decoder = LMHead(cfg, token_embedding, bias=True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.norm(self.activation(self.dense(h))))
+
+
+class EncoderModel(TransformerBase):
+    """Bidirectional encoder with BERT's heads: MLM, and a tanh pooler over the first
+    token feeding next-sentence prediction (when `nsp`) and sequence classification."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = Stack(cfg, cfg.n_layers, causal=False, cross=False, token_embedding=self.token_embedding)
+        self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
+        self.mlm_head = MLMHead(cfg, self.token_embedding)
+        self.nsp_head = nn.Linear(cfg.d_model, 2) if cfg.nsp else None
+        self._init_weights()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.encoder(input_ids, token_type_ids=token_type_ids, padding_mask=padding_mask)
+
+    def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.pooler(hidden[:, 0]))
+
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mlm_head(hidden)
+
+    def nsp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.nsp_head is None:
+            raise ValueError("this model was built with nsp=False and has no next-sentence head")
+        return self.nsp_head(self.pooled(hidden))
+
+
+class SequenceClassificationHead(nn.Module):
+    """Dropout + linear on a pooled representation; n_labels=1 is regression (STS-B)."""
+
+    def __init__(self, cfg: ModelConfig, n_labels: int):
+        super().__init__()
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.proj = nn.Linear(cfg.d_model, n_labels)
+        nn.init.normal_(self.proj.weight, 0.0, cfg.init_std)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.dropout(pooled))
+
+
+class EncoderDecoderLM(TransformerBase):
+    """Sequence-to-sequence model (Vaswani et al. 2017, T5). With tie_embeddings the
+    encoder, decoder and output projection share one matrix (a joint vocabulary)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        target_embedding = self.token_embedding if cfg.tie_embeddings else nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = Stack(cfg, cfg.resolved_encoder_layers, causal=False, cross=False, token_embedding=self.token_embedding)
+        self.decoder = Stack(cfg, cfg.n_layers, causal=True, cross=True, token_embedding=target_embedding)
+        self.lm_head = LMHead(cfg, target_embedding)
+        self._init_weights()
+
+    def encode(self, src_ids: torch.Tensor, src_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.encoder(src_ids, padding_mask=src_padding_mask)
+
+    def decode(
+        self,
+        tgt_ids: torch.Tensor,
+        memory: torch.Tensor,
+        memory_padding_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        h = self.decoder(tgt_ids, memory=memory, memory_padding_mask=memory_padding_mask, cache=cache)
+        return self.lm_head(h)
+
+    def forward(
+        self, src_ids: torch.Tensor, tgt_ids: torch.Tensor, src_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.decode(tgt_ids, self.encode(src_ids, src_padding_mask), src_padding_mask)
+
+
+MODELS = {"decoder": DecoderLM, "encoder": EncoderModel, "encoder-decoder": EncoderDecoderLM}
+
+
+def build_model(cfg: ModelConfig) -> TransformerBase:
+    return MODELS[cfg.arch](cfg)
