@@ -1,0 +1,135 @@
+"""ModelConfig: validated on construction, every problem listed, YAML round trip, presets."""
+
+import pytest
+
+from study.config import PRESETS, ConfigError, ModelConfig, axis_choices, parse_overrides, preset
+from study.model import ACTIVATIONS, NORMS, POSITIONS, RESIDUALS
+
+
+def problems_of(**fields):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**fields)
+    return err.value.problems, str(err.value)
+
+
+def test_defaults_are_valid_and_resolve_derived_fields():
+    cfg = ModelConfig()
+    assert cfg.objective == "clm"
+    assert cfg.resolved_n_kv_heads == cfg.n_heads
+    assert cfg.resolved_head_dim == cfg.d_model // cfg.n_heads
+    assert cfg.attention_kind == "mha"
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        ModelConfig().d_model = 3
+
+
+def test_yaml_and_dict_round_trip_every_preset():
+    for name in PRESETS:
+        cfg = preset(name)
+        assert ModelConfig.from_yaml(cfg.to_yaml()) == cfg
+        assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_unknown_field_is_named_with_valid_fields():
+    with pytest.raises(ConfigError, match="normm: unknown field"):
+        ModelConfig.from_dict({"normm": "rmsnorm"})
+
+
+def test_heads_must_divide_by_kv_heads():
+    problems, text = problems_of(n_heads=8, n_kv_heads=3, d_model=64)
+    assert any(p.startswith("n_kv_heads:") for p in problems)
+    assert "[1, 2, 4, 8]" in text  # the valid values
+
+
+def test_rope_needs_even_head_dim():
+    problems, _ = problems_of(position="rope", d_model=36, n_heads=4)  # head_dim 9
+    assert any(p.startswith("position:") and "even head dimension" in p for p in problems)
+
+
+@pytest.mark.parametrize("window", [0, -3])
+def test_window_must_be_positive(window):
+    problems, _ = problems_of(window=window)
+    assert any(p.startswith("window:") for p in problems)
+
+
+def test_window_pattern_rules():
+    assert any(p.startswith("window_pattern:") for p in problems_of(window_pattern="LG")[0])  # no window
+    assert any(p.startswith("window_pattern:") for p in problems_of(window=4, window_pattern="LXG")[0])
+    assert any(p.startswith("window_pattern:") for p in problems_of(window=4, window_pattern="GG")[0])
+    cfg = ModelConfig(window=4, window_pattern="LLLG", n_layers=8)
+    assert cfg.layer_spans() == ["local"] * 3 + ["global"] + ["local"] * 3 + ["global"]
+    assert ModelConfig(n_layers=3).layer_spans() == ["global"] * 3
+
+
+def test_nsp_only_on_an_mlm_encoder():
+    problems, text = problems_of(arch="decoder", nsp=True, type_vocab_size=2)
+    assert any(p.startswith("nsp:") for p in problems)
+    assert "encoder" in text
+    problems, _ = problems_of(arch="encoder", nsp=True, type_vocab_size=0)
+    assert any(p.startswith("type_vocab_size:") for p in problems)
+
+
+def test_objective_must_match_arch():
+    problems, _ = problems_of(arch="decoder", objective="mlm")
+    assert any(p.startswith("objective:") for p in problems)
+    assert ModelConfig(arch="encoder-decoder").objective == "seq2seq"
+
+
+@pytest.mark.parametrize(
+    "field,registry", [("norm", NORMS), ("norm_position", RESIDUALS), ("position", POSITIONS), ("activation", ACTIVATIONS)]
+)
+def test_unknown_axis_value_lists_the_registry(field, registry):
+    problems, _ = problems_of(**{field: "nonsense"})
+    [problem] = [p for p in problems if p.startswith(field + ":")]
+    for name in registry.names():
+        assert repr(name) in problem
+
+
+def test_all_problems_reported_at_once():
+    problems, _ = problems_of(norm="batchnorm", window=0, n_heads=4, n_kv_heads=3, dropout=1.5)
+    fields = {p.split(":")[0] for p in problems}
+    assert {"norm", "window", "n_kv_heads", "dropout"} <= fields
+
+
+def test_type_errors_are_reported_per_field():
+    problems, _ = problems_of(d_model="wide", dropout="lots")
+    assert {p.split(":")[0] for p in problems} == {"d_model", "dropout"}
+
+
+def test_axis_choices_come_from_registries():
+    choices = axis_choices()
+    assert choices["norm"] == NORMS.names()
+    assert set(choices["position"]) == {"learned", "sinusoidal", "rope", "alibi", "t5_bias", "none"}
+    assert set(choices["norm_position"]) >= {"post", "pre"}
+    assert set(choices["activation"]) >= {"relu", "gelu", "gelu_tanh", "swiglu", "geglu"}
+
+
+def test_presets_are_the_published_recipes():
+    llama = preset("llama2")
+    assert (llama.norm, llama.norm_position, llama.position, llama.activation) == ("rmsnorm", "pre", "rope", "swiglu")
+    assert llama.attention_kind == "gqa" and not llama.bias
+    assert preset("mistral").window == 4096
+    bert = preset("bert")
+    assert (bert.arch, bert.norm_position, bert.position, bert.nsp) == ("encoder", "post", "learned", True)
+    vaswani = preset("vaswani")
+    assert (vaswani.arch, vaswani.norm_position, vaswani.position, vaswani.activation) == (
+        "encoder-decoder", "post", "sinusoidal", "relu")
+    assert preset("t5").position == "t5_bias"
+    assert preset("gpt2").activation == "gelu_tanh"
+
+
+def test_preset_overrides_are_validated():
+    assert preset("llama2", norm="layernorm").norm == "layernorm"
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        preset("llama2", n_heads=4, d_model=256)  # 8 kv heads no longer divide 4 heads
+    with pytest.raises(KeyError, match="valid presets"):
+        preset("gpt5")
+
+
+def test_parse_overrides_reads_yaml_scalars():
+    assert parse_overrides(["window=16", "norm=rmsnorm", "bias=false", "n_kv_heads=null"]) == {
+        "window": 16, "norm": "rmsnorm", "bias": False, "n_kv_heads": None}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_overrides(["window"])
