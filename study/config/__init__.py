@@ -5,3 +5,8 @@ from study.config.model import ModelConfig, axis_choices
 from study.config.presets import PRESETS, preset
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "PRESETS", "axis_choices", "parse_overrides", "preset"]
+from study.config.experiment import ExperimentConfig  # noqa: E402
+from study.config.task import TaskConfig  # noqa: E402
+from study.config.train import TrainConfig  # noqa: E402
+
+__all__ += ["ExperimentConfig", "TaskConfig", "TrainConfig"]

@@ -4,16 +4,12 @@
 `from_hf(hf_model)` builds our model from it and copies every weight across
 (`load_hf_weights` copies into a model that already exists). Supported:
 
-==========================  ===========  ==================================================
-Hugging Face class          our model    notes
-==========================  ===========  ==================================================
-BertModel                   EncoderModel pooler copied; MLM head keeps its initial values
-BertForMaskedLM             EncoderModel MLM head copied; pooler keeps its initial values
-BertForPreTraining          EncoderModel MLM head, pooler and NSP head (nsp=True) copied
-GPT2Model / GPT2LMHeadModel DecoderLM
-LlamaModel / LlamaForCausalLM        DecoderLM  untied lm_head only from *ForCausalLM
-MistralModel / MistralForCausalLM    DecoderLM  sliding_window -> window
-==========================  ===========  ==================================================
+- BertModel -> EncoderModel (the MLM head keeps its initial values; there is none to copy)
+- BertForMaskedLM -> EncoderModel (the pooler keeps its initial values)
+- BertForPreTraining -> EncoderModel with nsp=True (MLM head, pooler and NSP head copied)
+- GPT2Model, GPT2LMHeadModel -> DecoderLM
+- LlamaModel, LlamaForCausalLM -> DecoderLM (an untied lm_head only comes from *ForCausalLM)
+- MistralModel, MistralForCausalLM -> DecoderLM (sliding_window -> window)
 
 The mappings (ours <- theirs):
 
@@ -166,7 +162,7 @@ def _bert_fields(c) -> dict[str, Any]:
         bias=True,
         tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
         type_vocab_size=c.type_vocab_size,
-        pad_token_id=c.pad_token_id if c.pad_token_id is not None else 0,
+        pad_token_id=c.pad_token_id if c.pad_token_id is not None and c.pad_token_id < c.vocab_size else 0,
         init_std=c.initializer_range,
     )
 

@@ -35,11 +35,11 @@ ACTIVATIONS.add("geglu", Activation(F.gelu, gated=True), "GELU-gated linear unit
 
 
 def default_d_ff(d_model: int, gated: bool) -> int:
-    """4d for a plain MLP; for a gated one, 2/3 of that (so parameters match, Shazeer 2020),
-    rounded down to a multiple of 64 as Llama rounds its hidden size."""
+    """4d for a plain MLP; for a gated one, 2/3 of that so the parameter count matches
+    (Shazeer 2020), rounded up to a multiple of 256 as Llama does (4096 -> 11008)."""
     if not gated:
         return 4 * d_model
-    return max(64, (8 * d_model // 3) // 64 * 64)
+    return 256 * -(-(8 * d_model // 3) // 256)
 
 
 class FeedForward(nn.Module):

@@ -1,0 +1,103 @@
+"""`ExperimentConfig`: model + task + training, the unit `study run` executes.
+
+YAML form (the model may start from a preset and override fields):
+
+    name: shakespeare-gpt2
+    model: {preset: gpt2, d_model: 128, n_layers: 4, n_heads: 4}
+    task: {name: lm, dataset: tinyshakespeare, seq_len: 64}
+    train: {max_steps: 2000, batch_size: 12, lr: 1.0e-3}
+
+`--set model.window=16` style overrides address any field by section.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from study.config.base import Config, ConfigError, Problems, parse_overrides
+from study.config.model import ModelConfig
+from study.config.presets import PRESETS
+from study.config.task import TaskConfig
+from study.config.train import TrainConfig
+
+SECTIONS = ("model", "task", "train")
+
+
+def _model_from(data: dict[str, Any] | ModelConfig) -> ModelConfig:
+    if isinstance(data, ModelConfig):
+        return data
+    data = dict(data or {})
+    name = data.pop("preset", None)
+    if name is not None:
+        if name not in PRESETS:
+            raise ConfigError("ModelConfig", [f"preset: unknown preset {name!r}; valid presets: {sorted(PRESETS)}"])
+        data = {**PRESETS[name], **data}
+    return ModelConfig.from_dict(data)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig(Config):
+    name: str = "experiment"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def _validate(self, p: Problems) -> None:
+        p.check(bool(re.fullmatch(r"[A-Za-z0-9_.=+-]+", self.name)), "name",
+                f"{self.name!r}: use letters, digits and _ . = + - only (it names a directory)")
+        m, t = self.model, self.task
+        p.check(m.arch == t.arch, "model.arch", f"task {t.name!r} trains arch={t.arch!r}, got arch={m.arch!r}")
+        if t.name == "pretrain" or t.name == "glue":
+            p.check(m.objective == "mlm", "model.objective", f"task {t.name!r} needs objective='mlm'")
+        if m.position == "learned":
+            longest = t.seq_len + (2 if t.name == "translation" else 0)  # BOS/EOS around a sentence
+            p.check(longest <= m.max_seq_len, "task.seq_len",
+                    f"{t.seq_len} (+ special tokens) exceeds model.max_seq_len={m.max_seq_len}, the length "
+                    "learned positions can address; raise model.max_seq_len or shorten task.seq_len")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "ExperimentConfig":
+        data = dict(data or {})
+        unknown = sorted(set(data) - {"name", *SECTIONS})
+        if unknown:
+            raise ConfigError(cls.__name__, [f"{k}: unknown section; valid: ['name', 'model', 'task', 'train']" for k in unknown])
+        return cls(
+            name=data.get("name", "experiment"),
+            model=_model_from(data.get("model", {})),
+            task=data["task"] if isinstance(data.get("task"), TaskConfig) else TaskConfig.from_dict(data.get("task")),
+            train=data["train"] if isinstance(data.get("train"), TrainConfig) else TrainConfig.from_dict(data.get("train")),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> "ExperimentConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"experiment config {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(cls.__name__, [f"{path}: not valid YAML: {err}"]) from None
+        return cls.from_dict(apply_overrides(data, overrides))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Apply `section.field=value` overrides (`name=...` for the top level)."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for key, value in parse_overrides(overrides).items():
+        if key == "name":
+            data["name"] = value
+            continue
+        section, _, fname = key.partition(".")
+        if section not in SECTIONS or not fname:
+            raise ConfigError("ExperimentConfig", [f"{key}: overrides look like model.FIELD, task.FIELD or train.FIELD"])
+        data.setdefault(section, {})[fname] = value
+    return data
+
+
+def dump(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

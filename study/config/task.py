@@ -1,0 +1,65 @@
+"""`TaskConfig`: which task family, on which data, measured how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from study.config.base import Config, Problems
+
+# task family -> (architecture it trains, datasets it reads)
+TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "lm": ("decoder", ("tinyshakespeare", "wikitext-2")),
+    "translation": ("encoder-decoder", ("multi30k",)),
+    "pretrain": ("encoder", ("wikitext-2",)),
+    "glue": ("encoder", ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")),
+}
+TOKENIZERS = ("char", "word", "bpe", "wordpiece")
+# the tokenizer each dataset is conventionally measured with
+DEFAULT_TOKENIZER = {"tinyshakespeare": "char", "wikitext-2": "word", "multi30k": "bpe"}
+LANGS = ("de", "en", "fr", "cs")
+
+
+@dataclass(frozen=True)
+class TaskConfig(Config):
+    name: str = "lm"
+    dataset: str = "tinyshakespeare"
+    seq_len: int = 128  # lm/pretrain: training context; translation: max tokens per sentence
+    tokenizer: str | None = None  # None -> the dataset's conventional one
+    vocab_size: int | None = None  # bpe/wordpiece target size; char/word take the corpus vocabulary
+    lowercase: bool = False
+    # lm: perplexity at these multiples of seq_len (length extrapolation, Press et al. 2022)
+    eval_lengths: tuple[int, ...] = (1, 2, 4, 8)
+    # translation
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    joint_vocab: bool = True
+    beam_size: int = 5
+    length_penalty: float = 1.0  # GNMT-style ((5 + |y|) / 6)^alpha (Wu et al. 2016); 0 -> raw log-prob
+    max_len_a: float = 1.2  # decode at most a * |source| + b tokens (fairseq's convention)
+    max_len_b: int = 10
+    test_sets: tuple[str, ...] = ("test_2016_flickr", "test_2017_flickr", "test_2017_mscoco")
+
+    def _resolve_defaults(self) -> None:
+        if self.tokenizer is None:
+            object.__setattr__(self, "tokenizer", DEFAULT_TOKENIZER.get(self.dataset, "wordpiece"))
+
+    @property
+    def arch(self) -> str:
+        return TASKS[self.name][0]
+
+    def _validate(self, p: Problems) -> None:
+        if p.choice("name", self.name, TASKS):
+            p.choice("dataset", self.dataset, TASKS[self.name][1])
+        p.choice("tokenizer", self.tokenizer, TOKENIZERS)
+        p.check(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        p.check(self.vocab_size is None or self.vocab_size >= 16, "vocab_size", "must be >= 16 or null")
+        p.check(len(self.eval_lengths) >= 1 and all(k >= 1 for k in self.eval_lengths), "eval_lengths",
+                f"must be multiples >= 1 of seq_len, got {list(self.eval_lengths)}")
+        p.choice("src_lang", self.src_lang, LANGS)
+        p.choice("tgt_lang", self.tgt_lang, LANGS)
+        p.check(self.src_lang != self.tgt_lang, "tgt_lang", "must differ from src_lang")
+        p.check(self.beam_size >= 1, "beam_size", f"must be >= 1, got {self.beam_size}")
+        p.check(self.length_penalty >= 0, "length_penalty", f"must be >= 0, got {self.length_penalty}")
+        p.check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_b", "decode length a*|src|+b needs a >= 0, b >= 1")
+        if self.tokenizer in ("bpe", "wordpiece"):
+            p.check(self.vocab_size is not None, "vocab_size", f"tokenizer={self.tokenizer!r} needs a vocab_size")

@@ -1,0 +1,63 @@
+"""`TrainConfig`: the optimisation recipe and budget shared by every task."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from study.config.base import Config, Problems
+
+SCHEDULES = ("constant", "cosine", "linear", "inverse_sqrt")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+@dataclass(frozen=True)
+class TrainConfig(Config):
+    max_steps: int = 1000
+    max_time_s: float | None = None  # wall-clock training budget; stops cleanly when spent
+    batch_size: int = 32  # sequences (lm, pretrain, glue) or sentence pairs (translation)
+    accumulate: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # floor of cosine/linear decay, as a fraction of lr
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    label_smoothing: float = 0.0
+    precision: str = "32-true"  # Lightning precision: 32-true on CPU, bf16-mixed where it pays
+    compile: bool = False
+    seed: int = 0
+    eval_every: int = 250
+    eval_batches: int | None = 20  # batches per in-training evaluation; None -> the whole split
+    log_every: int = 10
+    grad_norm_every: int = 50  # per-layer gradient norms (Xiong et al. 2020's picture); 0 -> off
+    checkpoint_every: int | None = None  # None -> eval_every
+    accelerator: str = "auto"
+    devices: int = 1
+    strategy: str = "auto"  # 'ddp' for several GPUs
+    num_workers: int = 0
+    progress_bar: bool = True
+
+    def _validate(self, p: Problems) -> None:
+        p.choice("schedule", self.schedule, SCHEDULES)
+        p.choice("precision", self.precision, PRECISIONS)
+        p.choice("accelerator", self.accelerator, ("auto", "cpu", "gpu", "cuda", "mps"))
+        p.choice("strategy", self.strategy, ("auto", "ddp", "ddp_spawn", "fsdp"))
+        for name in ("max_steps", "batch_size", "accumulate", "eval_every", "log_every", "devices"):
+            p.check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "grad_norm_every", "num_workers", "seed"):
+            p.check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        p.check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        p.check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        p.check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            p.check(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
+        p.check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
+        p.check(self.grad_clip is None or self.grad_clip > 0, "grad_clip", "must be > 0 or null")
+        p.check(self.max_time_s is None or self.max_time_s > 0, "max_time_s", "must be > 0 or null")
+        p.check(self.eval_batches is None or self.eval_batches >= 1, "eval_batches", "must be >= 1 or null")
+        p.check(self.checkpoint_every is None or self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1 or null")
+        if self.schedule == "inverse_sqrt":
+            p.check(self.warmup_steps >= 1, "warmup_steps", "inverse_sqrt needs warmup_steps >= 1")

@@ -1,0 +1,149 @@
+"""Decoding with the KV cache: greedy and beam search for encoder-decoder models,
+and sampling for decoder-only models.
+
+Every decoder step feeds one token per hypothesis and reuses cached K/V; with
+`use_cache=False` the whole prefix is recomputed each step (the reference that
+tests compare the cached path against).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from study.model.attention import KVCache
+from study.model.transformer import DecoderLM, EncoderDecoderLM
+
+
+class _Decoder:
+    """Steps an encoder-decoder model one target token at a time, cached or not."""
+
+    def __init__(self, model: EncoderDecoderLM, memory, memory_mask, use_cache: bool):
+        self.model, self.memory, self.memory_mask = model, memory, memory_mask
+        self.cache = KVCache() if use_cache else None
+
+    def step(self, prefix: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of the next token after `prefix` (rows, t)."""
+        tokens = prefix[:, -1:] if self.cache is not None else prefix
+        logits = self.model.decode(tokens, self.memory, self.memory_mask, cache=self.cache)[:, -1]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.memory = self.memory.index_select(0, index)
+        if self.memory_mask is not None:
+            self.memory_mask = self.memory_mask.index_select(0, index)
+        if self.cache is not None:
+            self.cache.reorder(index)
+
+
+def _max_lengths(src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:
+    src_len = src_mask.sum(1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1])
+    return (a * src_len.float() + b).long()
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, max_len_a: float = 1.2, max_len_b: int = 10,
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """Most probable next token at each step, up to a * |src| + b tokens; EOS is not returned."""
+    max_len = _max_lengths(src_mask, src, max_len_a, max_len_b)
+    dec = _Decoder(model, model.encode(src, src_mask), src_mask, use_cache)
+    prefix = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)
+    done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
+    for t in range(int(max_len.max())):
+        nxt = dec.step(prefix).argmax(-1)
+        nxt = torch.where(done | (t >= max_len - 1), torch.full_like(nxt, eos), nxt)
+        prefix = torch.cat([prefix, nxt[:, None]], dim=1)
+        done |= nxt == eos
+        if bool(done.all()):
+            break
+    out = []
+    for row in prefix[:, 1:].tolist():
+        out.append(row[: row.index(eos)] if eos in row else row)
+    return out
+
+
+def length_normalise(score: float, length: int, alpha: float) -> float:
+    """GNMT length penalty: score / ((5 + |Y|) / 6)^alpha (Wu et al. 2016, eq. 14)."""
+    return score / (((5 + length) / 6) ** alpha) if alpha else score
+
+
+@torch.no_grad()
+def beam_search(
+    model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, beam_size: int = 5, length_penalty: float = 1.0,
+    max_len_a: float = 1.2, max_len_b: int = 10, use_cache: bool = True,
+) -> list[list[int]]:
+    """Batched beam search on the KV cache. A sentence is finished once it holds
+    `beam_size` hypotheses ending in EOS (fairseq's stopping rule) or reaches its maximum
+    length; the best by length-normalised log-probability is returned, without EOS."""
+    n, k = src.shape[0], beam_size
+    device = src.device
+    max_len = _max_lengths(src_mask, src, max_len_a, max_len_b)
+    rows = torch.arange(n, device=device).repeat_interleave(k)
+    memory = model.encode(src, src_mask)
+    dec = _Decoder(model, memory.index_select(0, rows), None if src_mask is None else src_mask.index_select(0, rows), use_cache)
+    prefix = torch.full((n * k, 1), bos, dtype=torch.long, device=device)
+    scores = torch.zeros(n, k, device=device)
+    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(n)]
+    done = [False] * n
+    for t in range(int(max_len.max())):
+        logp = dec.step(prefix)  # (n*k, V)
+        vocab = logp.shape[-1]
+        cand = (scores[:, :, None] + logp.view(n, k, vocab)).view(n, k * vocab)
+        top_scores, top_ids = cand.topk(2 * k, dim=1)  # 2k so k survive even if k end in EOS
+        beam_of, token_of = top_ids // vocab, top_ids % vocab
+        new_scores = torch.full((n, k), float("-inf"), device=device)
+        new_rows = torch.zeros(n, k, dtype=torch.long, device=device)
+        new_tokens = torch.full((n, k), eos, dtype=torch.long, device=device)
+        ts, bs, tk = top_scores.tolist(), beam_of.tolist(), token_of.tolist()
+        last_step = (t + 1 >= max_len).tolist()
+        for i in range(n):
+            if done[i]:
+                continue
+            kept = 0
+            for s, b, tok in zip(ts[i], bs[i], tk[i]):
+                if s == float("-inf"):
+                    break
+                if tok == eos or last_step[i]:
+                    hyp = prefix[i * k + b, 1:].tolist() + ([] if tok == eos else [tok])
+                    finished[i].append((length_normalise(s, t + 1, length_penalty), hyp))
+                    if len(finished[i]) >= k:
+                        break
+                    continue
+                if kept < k:
+                    new_scores[i, kept], new_rows[i, kept], new_tokens[i, kept] = s, i * k + b, tok
+                    kept += 1
+            if len(finished[i]) >= k or last_step[i] or kept == 0:
+                done[i] = True
+                new_scores[i] = float("-inf")
+        if all(done):
+            break
+        index = new_rows.view(-1)
+        dec.reorder(index)
+        prefix = torch.cat([prefix.index_select(0, index), new_tokens.view(-1, 1)], dim=1)
+        scores = new_scores
+    return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
+
+
+@torch.no_grad()
+def sample(
+    model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Autoregressive sampling from a decoder-only model with the KV cache (temperature 0: greedy)."""
+    cache = KVCache()
+    logits = model(prompt, cache=cache)[:, -1]
+    out = prompt
+    for _ in range(max_new_tokens):
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits.float() / temperature
+            if top_k is not None:
+                kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+        out = torch.cat([out, nxt], dim=1)
+        logits = model(nxt, cache=cache)[:, -1]
+    return out

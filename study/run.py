@@ -1,0 +1,168 @@
+"""Run one experiment and write its run directory.
+
+    <run_dir>/config.yaml      the resolved experiment (model with its vocabulary size)
+    <run_dir>/env.json         code version, packages, device, precision, attention kernels
+    <run_dir>/data.json        fingerprint of the data actually read
+    <run_dir>/metrics.json     status, final metrics and cost (written last, atomically)
+    <run_dir>/model.pt         final weights (a plain state dict: torch.load(weights_only=True))
+    <run_dir>/checkpoints/     last.ckpt for resuming (model, optimizer, scheduler, RNG, data position)
+    <run_dir>/logs/            CSV (and TensorBoard when installed) training curves
+
+Every file is written atomically. Running the same config into the same directory
+resumes from the last checkpoint; a finished run is not repeated.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from study.config import ExperimentConfig
+from study.io import atomic_write, atomic_write_json, atomic_write_text, read_json
+from study.model.accounting import cost_summary, kv_cache_bytes_per_token
+
+log = logging.getLogger(__name__)
+FINISHED = ("completed", "diverged")
+
+
+class RunDirConflict(RuntimeError):
+    pass
+
+
+def _checkpoint_io():
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class AtomicCheckpointIO(TorchCheckpointIO):
+        """Writes checkpoints to a temporary file and renames it, so a kill never leaves a
+        truncated last.ckpt; loads with weights_only=True (no pickled code runs)."""
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
+
+        def load_checkpoint(self, path, map_location=None, weights_only=None):
+            return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+    return AtomicCheckpointIO()
+
+
+def peak_memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def run_experiment(
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    data_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Train and evaluate `cfg`, writing `run_dir`. Returns the metrics dict."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from study.environment import snapshot
+    from study.tasks.registry import task_family
+
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / "metrics.json"
+    if metrics_path.exists() and not force:
+        metrics = read_json(metrics_path)
+        if metrics.get("status") in FINISHED:
+            log.info("%s already finished (%s); nothing to do", run_dir, metrics["status"])
+            return metrics
+
+    started = time.time()
+    DataModule, Module = task_family(cfg.task.name)
+    cache_dir = Path(cache_dir) if cache_dir is not None else Path(os.environ.get("STUDY_CACHE_DIR", ".cache/study"))
+    dm = DataModule(cfg, data_dir=data_dir, cache_dir=cache_dir / "tokenizers")
+    dm.prepare()  # data and tokenizer errors surface here, before any model is built
+    cfg = cfg.replace(model=cfg.model.replace(**dm.model_overrides()))
+
+    config_path = run_dir / "config.yaml"
+    if config_path.exists() and not force:
+        previous = ExperimentConfig.from_yaml(config_path.read_text())
+        if previous != cfg:
+            raise RunDirConflict(f"{run_dir} holds a run of a different config; choose another directory or --force")
+    atomic_write_text(config_path, cfg.to_yaml())
+    atomic_write_json(run_dir / "env.json", snapshot(cfg.train.precision))
+    atomic_write_json(run_dir / "data.json", dm.fingerprint)
+
+    t = cfg.train
+    L.seed_everything(t.seed, workers=True, verbose=False)
+    module = Module(cfg)
+    ckpt_dir = run_dir / "checkpoints"
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir, filename="last", save_top_k=1, enable_version_counter=False,
+        every_n_train_steps=t.checkpoint_every or t.eval_every, save_on_train_epoch_end=False,
+    )
+    loggers = [CSVLogger(run_dir, name="logs", version="")]
+    try:
+        from lightning.pytorch.loggers import TensorBoardLogger
+        import tensorboard  # noqa: F401
+
+        loggers.append(TensorBoardLogger(run_dir, name="logs", version="tb"))
+    except ImportError:
+        pass
+    trainer = L.Trainer(
+        max_steps=t.max_steps,
+        max_time=datetime.timedelta(seconds=t.max_time_s) if t.max_time_s else None,
+        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
+        gradient_clip_val=t.grad_clip, accumulate_grad_batches=t.accumulate,
+        val_check_interval=t.eval_every * t.accumulate, check_val_every_n_epoch=None,
+        limit_val_batches=t.eval_batches if t.eval_batches is not None else 1.0,
+        num_sanity_val_steps=0, logger=loggers, callbacks=[checkpoint], plugins=[_checkpoint_io()],
+        enable_progress_bar=t.progress_bar, enable_model_summary=False, log_every_n_steps=t.log_every,
+        default_root_dir=run_dir,
+    )
+    last = ckpt_dir / "last.ckpt"
+    fit_started = time.time()
+    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.exists() else None)
+    fit_seconds = time.time() - fit_started
+
+    status = "diverged" if module.diverged_at is not None else "completed"
+    final: dict[str, Any] = {}
+    if status == "completed" and trainer.is_global_zero:
+        final = module.final_metrics(dm)
+    atomic_write(run_dir / "model.pt", lambda p: torch.save(module.model.state_dict(), p))
+    seq_len = cfg.task.seq_len
+    bytes_per_element = 2 if "16" in t.precision else 4
+    metrics = {
+        "status": status,
+        "diverged_at_step": module.diverged_at,
+        "steps": int(trainer.global_step),
+        "stopped_by": "time" if t.max_time_s and trainer.global_step < t.max_steps and status == "completed" else None,
+        "train_tokens": module.train_tokens,
+        "metrics": final,
+        "cost": {
+            **cost_summary(cfg.model, seq_len),
+            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg.model, bytes_per_element),
+            "train_tokens_per_s": module.throughput(),
+            "peak_memory_bytes": peak_memory_bytes(),
+            "fit_seconds": fit_seconds,
+            "wall_seconds": time.time() - started,
+        },
+    }
+    if trainer.is_global_zero:
+        atomic_write_json(metrics_path, metrics)
+    return metrics
+
+
+def load_model(run_dir: str | Path):
+    """The trained model of a run directory, loaded without executing pickled code."""
+    from study.model import build_model
+
+    run_dir = Path(run_dir)
+    cfg = ExperimentConfig.from_yaml(run_dir.joinpath("config.yaml").read_text())
+    model = build_model(cfg.model)
+    model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True))
+    return model.eval(), cfg

@@ -1,0 +1,221 @@
+"""Training machinery shared by every task family.
+
+`StudyModule` is the LightningModule base: AdamW with a decay/no-decay split,
+warm-up schedules, per-layer gradient norms, clean divergence handling, exact
+resume (RNG state in the checkpoint; data position from the step counter), and
+optional `torch.compile` that leaves checkpoints unchanged. Task modules only
+implement `training_loss` and `validation_loss`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from study.config import ExperimentConfig, TrainConfig
+from study.model import build_model
+
+
+def lr_multiplier(step: int, cfg: TrainConfig) -> float:
+    """Learning-rate multiplier at optimizer step `step` (0-based) for the configured schedule."""
+    warm = cfg.warmup_steps
+    if cfg.schedule == "inverse_sqrt":  # Vaswani et al. 2017, eq. 3 (peak lr reached at warmup_steps)
+        s = step + 1
+        return min(s / warm, math.sqrt(warm / s))
+    if warm and step < warm:
+        return (step + 1) / warm
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "cosine":  # Loshchilov & Hutter 2017, without restarts
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * (1 - progress)  # linear
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices (linear weights and embeddings); not biases or norm gains (as nanoGPT and GPT-3)."""
+    seen: set[int] = set()
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+_LAYER = re.compile(r"(encoder|decoder)\.blocks\.(\d+)\.")
+
+
+def layer_grad_norms(model: nn.Module) -> dict[str, float]:
+    """L2 norm of the gradient of each block's parameters, keyed 'decoder.3' etc."""
+    sq: dict[str, float] = defaultdict(float)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        m = _LAYER.search(name)
+        key = f"{m.group(1)}.{int(m.group(2)):02d}" if m else "other"
+        sq[key] += float(p.grad.detach().float().pow(2).sum())
+    return {k: math.sqrt(v) for k, v in sq.items()}
+
+
+class StudyModule(L.LightningModule):
+    def __init__(self, cfg: ExperimentConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = build_model(cfg.model)
+        # compiled forward kept outside the module tree, so state_dict keys never change
+        self._compiled = torch.compile(self.model) if cfg.train.compile else None
+        self.diverged_at: int | None = None
+        self.train_tokens = 0
+        self._step_started: float | None = None
+        self.step_times: list[float] = []
+        self.step_tokens: list[int] = []
+
+    @property
+    def net(self) -> nn.Module:
+        return self._compiled if self._compiled is not None else self.model
+
+    # --- to implement ---------------------------------------------------------------
+    def training_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
+        """(mean loss, number of target tokens) for one batch."""
+        raise NotImplementedError
+
+    def validation_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
+        return self.training_loss(batch)
+
+    # --- optimisation ---------------------------------------------------------------
+    def configure_optimizers(self):
+        t = self.cfg.train
+        kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
+        groups = parameter_groups(self.model, t.weight_decay)
+        try:  # the fused kernel is faster and exists for CPU and CUDA in recent torch
+            optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
+        except (RuntimeError, TypeError, ValueError):
+            optimizer = torch.optim.AdamW(groups, **kwargs)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, t))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        every = self.cfg.train.grad_norm_every
+        if every and self.global_step % every == 0:
+            norms = layer_grad_norms(self.model)
+            self.log_dict({f"grad_norm/{k}": v for k, v in norms.items()}, on_step=True, on_epoch=False)
+
+    # --- steps ----------------------------------------------------------------------
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def training_step(self, batch: Any, batch_idx: int):
+        loss, n_tokens = self.training_loss(batch)
+        if not torch.isfinite(loss):
+            # a diverged run is a result: stop cleanly and record where it happened
+            self.diverged_at = int(self.global_step)
+            self.trainer.should_stop = True
+            return None
+        self.train_tokens += n_tokens
+        self._batch_tokens = n_tokens
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
+        if self.global_step % self.cfg.train.log_every == 0:
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch: Any, batch_idx: int) -> None:
+        if self._step_started is not None and outputs is not None:
+            self.step_times.append(time.perf_counter() - self._step_started)
+            self.step_tokens.append(self._batch_tokens)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss, n_tokens = self.validation_loss(batch)
+        self.log("val/loss", loss, prog_bar=True, batch_size=max(1, n_tokens), sync_dist=True)
+
+    # --- exact resume ---------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["study"] = {
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "train_tokens": self.train_tokens,
+            "diverged_at": self.diverged_at,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("study", {})
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.train_tokens = state.get("train_tokens", 0)
+        self.diverged_at = state.get("diverged_at")
+
+    # --- measurements ---------------------------------------------------------------
+    def throughput(self, skip: int = 5) -> float | None:
+        """Training tokens per second over the timed steps, skipping warm-up steps."""
+        times, tokens = self.step_times[skip:], self.step_tokens[skip:]
+        if not times:
+            times, tokens = self.step_times, self.step_tokens
+        return sum(tokens) / sum(times) if times and sum(times) > 0 else None
+
+
+def seeded_generator(seed: int, index: int) -> torch.Generator:
+    """A generator that depends only on (seed, index)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+class StepIndexedBatches(torch.utils.data.IterableDataset):
+    """An endless stream of training batches where batch i depends only on (seed, i).
+
+    Resuming at optimizer step s restarts the stream at batch s * accumulate, so a resumed
+    run sees exactly the batches an uninterrupted one would (the data position is the step
+    counter). `make_batch(i)` builds batch i, drawing any randomness from
+    `seeded_generator(seed, i)` or a permutation seeded by the epoch.
+    """
+
+    def __init__(self, make_batch):
+        super().__init__()
+        self.make_batch = make_batch
+        self.start = 0
+
+    def __iter__(self):
+        i = self.start
+        while True:
+            yield self.make_batch(i)
+            i += 1
+
+
+class StudyDataModule(L.LightningDataModule):
+    """Base DataModule: loads and tokenizes in `prepare()` (called before the model is
+    built, so bad data fails before training) and tracks the training-stream position."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.train_stream: StepIndexedBatches | None = None
+
+    # The data position is the optimizer step; Lightning stores this in every checkpoint.
+    def state_dict(self) -> dict[str, Any]:
+        step = self.trainer.global_step if self.trainer is not None else 0
+        return {"train_batches": step * self.cfg.train.accumulate}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume_batches = int(state.get("train_batches", 0))
+
+    def _loader(self, dataset, **kwargs) -> torch.utils.data.DataLoader:
+        # A private generator: creating iterators must not draw from the global RNG,
+        # or a resumed run's dropout masks would differ from an uninterrupted run's.
+        return torch.utils.data.DataLoader(
+            dataset, generator=torch.Generator().manual_seed(self.cfg.train.seed),
+            num_workers=self.cfg.train.num_workers, **kwargs,
+        )
+
+    def train_dataloader(self):
+        assert self.train_stream is not None, "prepare() must build self.train_stream"
+        self.train_stream.start = getattr(self, "_resume_batches", 0)
+        return self._loader(self.train_stream, batch_size=None)

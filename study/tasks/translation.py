@@ -1,0 +1,156 @@
+"""Translation: Multi30k (De<->En) with an encoder-decoder, scored with sacreBLEU.
+
+Training batches are sentences grouped by length (shuffled batch order per epoch),
+teacher forcing with label smoothing (Szegedy et al. 2016; Vaswani et al. 2017 use
+0.1). Test sets are decoded with beam search on the KV cache, detokenized, and
+scored with sacreBLEU (BLEU and chrF on cased, detokenized text); the signature is
+stored with each score so numbers are comparable across papers (Post 2018).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import sacrebleu
+import torch
+import torch.nn.functional as F
+
+from study.config import ExperimentConfig
+from study.model.generate import beam_search, greedy_decode
+from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
+from study.tasks.data import build_translation_tokenizers, load_translation
+
+SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+PAD, BOS, EOS = 0, 1, 2
+IGNORE = -100
+
+
+def pad_batch(seqs: list[list[int]]) -> torch.Tensor:
+    out = torch.full((len(seqs), max(len(s) for s in seqs)), PAD, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def collate(pairs: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+    src = pad_batch([s for s, _ in pairs])
+    tgt = pad_batch([t for _, t in pairs])
+    labels = tgt[:, 1:].clone()
+    labels[labels == PAD] = IGNORE
+    return {"src": src, "src_mask": src != PAD, "tgt_in": tgt[:, :-1], "labels": labels}
+
+
+class TranslationDataModule(StudyDataModule):
+    def __init__(self, cfg: ExperimentConfig, data_dir: str | Path | None = None, cache_dir: str | Path | None = None):
+        super().__init__(cfg)
+        self.data_dir, self.cache_dir = data_dir, cache_dir
+
+    def prepare(self) -> None:
+        task = self.cfg.task
+        self.corpus = load_translation(task.dataset, task.src_lang, task.tgt_lang, self.data_dir)
+        missing = [s for s in task.test_sets if s not in self.corpus.splits]
+        if missing:
+            raise ValueError(f"task.test_sets: {missing} not in {task.dataset}; available: {sorted(self.corpus.splits)}")
+        self.src_tok, self.tgt_tok = build_translation_tokenizers(
+            task.tokenizer, self.corpus, task.vocab_size, SPECIALS, self.cache_dir, joint=task.joint_vocab,
+            lowercase=task.lowercase,
+        )
+        for tok in {id(self.src_tok): self.src_tok, id(self.tgt_tok): self.tgt_tok}.values():
+            ids = [tok.token_to_id(s) for s in SPECIALS[:3]]
+            if ids != [PAD, BOS, EOS]:
+                raise ValueError(f"tokenizer special ids {ids} are not [pad, bos, eos] = [0, 1, 2]")
+        self.encoded = {split: self.encode(split) for split in ("train", "valid")}
+        self._batches = self._length_grouped(self.encoded["train"], self.cfg.train.batch_size)
+        self.fingerprint = {**self.corpus.fingerprint, "tokenizer": [self.src_tok.key, self.tgt_tok.key]}
+        self.train_stream = StepIndexedBatches(self._train_batch)
+
+    def encode(self, split: str) -> list[tuple[list[int], list[int]]]:
+        n = self.cfg.task.seq_len
+        src = self.src_tok.encode_batch(self.corpus.sources(split))
+        tgt = self.tgt_tok.encode_batch(self.corpus.targets(split))
+        return [(s[:n], [BOS] + t[:n] + [EOS]) for s, t in zip(src, tgt)]
+
+    def model_overrides(self) -> dict[str, Any]:
+        return {"vocab_size": max(self.src_tok.vocab_size, self.tgt_tok.vocab_size), "pad_token_id": PAD}
+
+    @staticmethod
+    def _length_grouped(pairs, batch_size: int) -> list[list[int]]:
+        order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][0]) + len(pairs[i][1]), i))
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+    def _train_batch(self, i: int) -> dict[str, torch.Tensor]:
+        n = len(self._batches)
+        epoch, pos = divmod(i, n)
+        perm = torch.randperm(n, generator=seeded_generator(self.cfg.train.seed, -1 - epoch))
+        return collate([self.encoded["train"][j] for j in self._batches[int(perm[pos])]])
+
+    def val_dataloader(self):
+        batches = [collate([self.encoded["valid"][j] for j in b]) for b in self._length_grouped(self.encoded["valid"], self.cfg.train.batch_size)]
+        return self._loader(batches, batch_size=None)
+
+
+class TranslationModule(StudyModule):
+    def training_loss(self, batch) -> tuple[torch.Tensor, int]:
+        logits = self.net(batch["src"], batch["tgt_in"], batch["src_mask"])
+        labels = batch["labels"]
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
+            label_smoothing=self.cfg.train.label_smoothing,
+        )
+        return loss, int((labels != IGNORE).sum())
+
+    def validation_loss(self, batch) -> tuple[torch.Tensor, int]:
+        logits = self.net(batch["src"], batch["tgt_in"], batch["src_mask"])
+        labels = batch["labels"]
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE), int((labels != IGNORE).sum())
+
+    @torch.no_grad()
+    def translate(self, sentences: list[str], dm: TranslationDataModule, beam_size: int | None = None,
+                  batch_size: int = 100) -> list[str]:
+        """Detokenized translations, decoded in length-sorted batches."""
+        task = self.cfg.task
+        beam = task.beam_size if beam_size is None else beam_size
+        self.model.eval()
+        ids = [s[: task.seq_len] for s in dm.src_tok.encode_batch(sentences)]
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        out: list[list[int]] = [[] for _ in ids]
+        ctx = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
+        with ctx:
+            for start in range(0, len(order), batch_size):
+                chunk = order[start : start + batch_size]
+                src = pad_batch([ids[i] or [EOS] for i in chunk]).to(self.device)
+                mask = src != PAD
+                kw = dict(bos=BOS, eos=EOS, max_len_a=task.max_len_a, max_len_b=task.max_len_b)
+                if beam == 1:
+                    hyps = greedy_decode(self.model, src, mask, **kw)
+                else:
+                    hyps = beam_search(self.model, src, mask, beam_size=beam, length_penalty=task.length_penalty, **kw)
+                for i, h in zip(chunk, hyps):
+                    out[i] = h
+        return dm.tgt_tok.decode_batch(out)
+
+    def final_metrics(self, dm: TranslationDataModule) -> dict[str, Any]:
+        """sacreBLEU BLEU and chrF (cased, detokenized, 13a) on each test set, with signatures."""
+        results: dict[str, Any] = {}
+        for split in self.cfg.task.test_sets:
+            refs = dm.corpus.targets(split)
+            started = time.perf_counter()
+            hyps = self.translate(dm.corpus.sources(split), dm)
+            seconds = time.perf_counter() - started
+            bleu = sacrebleu.metrics.BLEU()
+            chrf = sacrebleu.metrics.CHRF()
+            results[split] = {
+                "bleu": bleu.corpus_score(hyps, [refs]).score,
+                "chrf": chrf.corpus_score(hyps, [refs]).score,
+                "bleu_signature": str(bleu.get_signature()),
+                "chrf_signature": str(chrf.get_signature()),
+                "decode_seconds": seconds,
+                "sentences": len(refs),
+                "examples": [{"source": s, "reference": r, "hypothesis": h}
+                             for s, r, h in list(zip(dm.corpus.sources(split), refs, hyps))[:5]],
+            }
+        first = self.cfg.task.test_sets[0]
+        return {"bleu": results[first]["bleu"], "chrf": results[first]["chrf"], "test_sets": results}
