@@ -54,6 +54,10 @@ class ExperimentConfig(Config):
         p.check(m.arch == t.arch, "model.arch", f"task {t.name!r} trains arch={t.arch!r}, got arch={m.arch!r}")
         if t.name == "pretrain" or t.name == "glue":
             p.check(m.objective == "mlm", "model.objective", f"task {t.name!r} needs objective='mlm'")
+        if t.name == "translation" and not t.joint_vocab:
+            p.check(not m.tie_embeddings, "model.tie_embeddings",
+                    "separate source/target vocabularies (task.joint_vocab=false) cannot share one embedding matrix; "
+                    "set model.tie_embeddings=false or task.joint_vocab=true")
         if m.position == "learned":
             longest = t.seq_len + (2 if t.name == "translation" else 0)  # BOS/EOS around a sentence
             p.check(longest <= m.max_seq_len, "task.seq_len",
