@@ -14,6 +14,7 @@ resumes from the last checkpoint; a finished run is not repeated.
 
 from __future__ import annotations
 
+import csv
 import datetime
 import logging
 import os
@@ -30,6 +31,7 @@ from study.model.accounting import cost_summary, kv_cache_bytes_per_token
 
 log = logging.getLogger(__name__)
 FINISHED = ("completed", "diverged")
+DATA_DECIDED_MODEL_FIELDS = ("vocab_size", "pad_token_id")  # what DataModule.model_overrides() sets
 
 
 class RunDirConflict(RuntimeError):
@@ -52,6 +54,28 @@ def _checkpoint_io():
     return AtomicCheckpointIO()
 
 
+def _logged_rows_before(csv_path: Path, ckpt_path: Path) -> list[dict[str, str]]:
+    """The rows of an interrupted attempt's CSV log for the steps before its last checkpoint.
+
+    Lightning's CSV logger deletes an existing metrics.csv when it starts, so without these rows a
+    resumed run's curves would begin at the checkpoint. Rows of steps after the checkpoint are
+    dropped: the resumed run trains those steps again and logs them itself."""
+    if not csv_path.is_file():
+        return []
+    step = int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: v for k, v in row.items() if k and v not in ("", None)}
+            for row in rows if row.get("step", "").isdigit() and int(row["step"]) < step]
+
+
+def _same_experiment(stored: ExperimentConfig, cfg: ExperimentConfig) -> bool:
+    """Whether a run directory's resolved config is `cfg`, before the data is loaded: the model
+    fields the data decides (vocabulary size, padding id) are taken from the stored config."""
+    decided = {k: getattr(stored.model, k) for k in DATA_DECIDED_MODEL_FIELDS}
+    return stored == cfg.replace(model=cfg.model.replace(**decided))
+
+
 def peak_memory_bytes() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
@@ -67,6 +91,7 @@ def run_experiment(
 ) -> dict[str, Any]:
     """Train and evaluate `cfg`, writing `run_dir`. Returns the metrics dict."""
     import lightning as L
+    from lightning.fabric.loggers.csv_logs import _ExperimentWriter as _CSVWriter
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
@@ -75,9 +100,13 @@ def run_experiment(
 
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.json"
+    config_path = run_dir / "config.yaml"
     if metrics_path.exists() and not force:
         metrics = read_json(metrics_path)
         if metrics.get("status") in FINISHED:
+            # never hand back another config's results as this one's
+            if config_path.exists() and not _same_experiment(ExperimentConfig.from_yaml(config_path.read_text()), cfg):
+                raise RunDirConflict(f"{run_dir} holds a run of a different config; choose another directory or --force")
             log.info("%s already finished (%s); nothing to do", run_dir, metrics["status"])
             return metrics
 
@@ -88,7 +117,6 @@ def run_experiment(
     dm.prepare()  # data and tokenizer errors surface here, before any model is built
     cfg = cfg.replace(model=cfg.model.replace(**dm.model_overrides()))
 
-    config_path = run_dir / "config.yaml"
     if config_path.exists() and not force:
         previous = ExperimentConfig.from_yaml(config_path.read_text())
         if previous != cfg:
@@ -105,7 +133,18 @@ def run_experiment(
         dirpath=ckpt_dir, filename="last", save_top_k=1, enable_version_counter=False,
         every_n_train_steps=t.checkpoint_every or t.eval_every, save_on_train_epoch_end=False,
     )
-    loggers = [CSVLogger(run_dir, name="logs", version="")]
+    last = ckpt_dir / "last.ckpt"
+    if force:  # a rerun starts from scratch: the checkpoint there may be of another config
+        last.unlink(missing_ok=True)
+    resume_from = last if last.exists() else None
+    # flushed at every logged step, so a killed run's rows up to its checkpoint are on disk
+    csv_logger = CSVLogger(run_dir, name="logs", version="", flush_logs_every_n_steps=t.log_every)
+    earlier_rows = _logged_rows_before(Path(csv_logger.log_dir) / "metrics.csv", resume_from) if resume_from else []
+    writer = csv_logger.experiment  # (rank zero) replaces any old metrics.csv: write back the rows kept
+    if earlier_rows and isinstance(writer, _CSVWriter):
+        writer.metrics[:0] = earlier_rows
+        writer.save()
+    loggers = [csv_logger]
     try:
         from lightning.pytorch.loggers import TensorBoardLogger
         import tensorboard  # noqa: F401
@@ -124,9 +163,8 @@ def run_experiment(
         enable_progress_bar=t.progress_bar, enable_model_summary=False, log_every_n_steps=t.log_every,
         default_root_dir=run_dir,
     )
-    last = ckpt_dir / "last.ckpt"
     fit_started = time.time()
-    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.exists() else None)
+    trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resume_from else None)
     fit_seconds = time.time() - fit_started
 
     status = "diverged" if module.diverged_at is not None else "completed"

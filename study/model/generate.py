@@ -35,9 +35,15 @@ class _Decoder:
             self.cache.reorder(index)
 
 
-def _max_lengths(src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:
-    src_len = src_mask.sum(1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1])
-    return (a * src_len.float() + b).long()
+def _max_lengths(model, src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:
+    """a * |src| + b per sentence, capped so that the decoder never feeds a position it cannot embed: with
+    learned positions (which do not extrapolate) BOS + max_len tokens must fit in max_seq_len."""
+    src_len = src_mask.sum(1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1], device=src.device)
+    max_len = (a * src_len.float() + b).long()
+    position = getattr(getattr(model, "decoder", None), "position", None)
+    if position is not None and not getattr(position, "extrapolates", True):
+        max_len = max_len.clamp(max=position.max_seq_len - 1)
+    return max_len
 
 
 @torch.no_grad()
@@ -45,14 +51,15 @@ def greedy_decode(
     model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, max_len_a: float = 1.2, max_len_b: int = 10,
     use_cache: bool = True,
 ) -> list[list[int]]:
-    """Most probable next token at each step, up to a * |src| + b tokens; EOS is not returned."""
-    max_len = _max_lengths(src_mask, src, max_len_a, max_len_b)
+    """Most probable next token at each step, up to a * |src| + b tokens (then EOS is forced, as in
+    fairseq; with learned positions at most max_seq_len - 1 tokens); EOS is not returned."""
+    max_len = _max_lengths(model, src_mask, src, max_len_a, max_len_b)
     dec = _Decoder(model, model.encode(src, src_mask), src_mask, use_cache)
     prefix = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)
     done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
-    for t in range(int(max_len.max())):
+    for t in range(int(max_len.max()) + 1):  # one extra step for the EOS
         nxt = dec.step(prefix).argmax(-1)
-        nxt = torch.where(done | (t >= max_len - 1), torch.full_like(nxt, eos), nxt)
+        nxt = torch.where(done | (t >= max_len), torch.full_like(nxt, eos), nxt)
         prefix = torch.cat([prefix, nxt[:, None]], dim=1)
         done |= nxt == eos
         if bool(done.all()):
@@ -74,11 +81,14 @@ def beam_search(
     max_len_a: float = 1.2, max_len_b: int = 10, use_cache: bool = True,
 ) -> list[list[int]]:
     """Batched beam search on the KV cache. A sentence is finished once it holds
-    `beam_size` hypotheses ending in EOS (fairseq's stopping rule) or reaches its maximum
-    length; the best by length-normalised log-probability is returned, without EOS."""
+    `beam_size` hypotheses ending in EOS (fairseq's stopping rule); after a * |src| + b
+    tokens (capped as in greedy_decode) EOS is forced. Hypotheses are scored by the log-probability
+    of their tokens and the EOS, length-normalised over both; the best is returned, without EOS.
+    As in fairseq, only an EOS among the `beam_size` best candidates of a step finishes a
+    hypothesis (the other k of the 2k candidates only refill the beam)."""
     n, k = src.shape[0], beam_size
     device = src.device
-    max_len = _max_lengths(src_mask, src, max_len_a, max_len_b)
+    max_len = _max_lengths(model, src_mask, src, max_len_a, max_len_b)
     rows = torch.arange(n, device=device).repeat_interleave(k)
     memory = model.encode(src, src_mask)
     dec = _Decoder(model, memory.index_select(0, rows), None if src_mask is None else src_mask.index_select(0, rows), use_cache)
@@ -87,9 +97,14 @@ def beam_search(
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(n)]
     done = [False] * n
-    for t in range(int(max_len.max())):
+    for t in range(int(max_len.max()) + 1):  # one extra step for the EOS
         logp = dec.step(prefix)  # (n*k, V)
         vocab = logp.shape[-1]
+        at_limit = (t >= max_len).repeat_interleave(k)  # these hypotheses may only end now
+        if bool(at_limit.any()):
+            only_eos = torch.full_like(logp, float("-inf"))
+            only_eos[:, eos] = logp[:, eos]
+            logp = torch.where(at_limit[:, None], only_eos, logp)
         cand = (scores[:, :, None] + logp.view(n, k, vocab)).view(n, k * vocab)
         top_scores, top_ids = cand.topk(2 * k, dim=1)  # 2k so k survive even if k end in EOS
         beam_of, token_of = top_ids // vocab, top_ids % vocab
@@ -97,19 +112,20 @@ def beam_search(
         new_rows = torch.zeros(n, k, dtype=torch.long, device=device)
         new_tokens = torch.full((n, k), eos, dtype=torch.long, device=device)
         ts, bs, tk = top_scores.tolist(), beam_of.tolist(), token_of.tolist()
-        last_step = (t + 1 >= max_len).tolist()
+        last_step = (t >= max_len).tolist()
         for i in range(n):
             if done[i]:
                 continue
             kept = 0
-            for s, b, tok in zip(ts[i], bs[i], tk[i]):
+            for rank, (s, b, tok) in enumerate(zip(ts[i], bs[i], tk[i])):
                 if s == float("-inf"):
                     break
-                if tok == eos or last_step[i]:
-                    hyp = prefix[i * k + b, 1:].tolist() + ([] if tok == eos else [tok])
-                    finished[i].append((length_normalise(s, t + 1, length_penalty), hyp))
-                    if len(finished[i]) >= k:
-                        break
+                if tok == eos:
+                    if rank < k:  # an EOS ranked below k live candidates does not finish a hypothesis
+                        hyp = prefix[i * k + b, 1:].tolist()
+                        finished[i].append((length_normalise(s, t + 1, length_penalty), hyp))
+                        if len(finished[i]) >= k:
+                            break
                     continue
                 if kept < k:
                     new_scores[i, kept], new_rows[i, kept], new_tokens[i, kept] = s, i * k + b, tok

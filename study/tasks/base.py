@@ -56,7 +56,7 @@ _LAYER = re.compile(r"(encoder|decoder)\.blocks\.(\d+)\.")
 
 
 def layer_grad_norms(model: nn.Module) -> dict[str, float]:
-    """L2 norm of the gradient of each block's parameters, keyed 'decoder.3' etc."""
+    """L2 norm of the gradient of each block's parameters, keyed 'decoder.03' etc. (zero-padded so they sort)."""
     sq: dict[str, float] = defaultdict(float)
     for name, p in model.named_parameters():
         if p.grad is None:
@@ -108,7 +108,13 @@ class StudyModule(L.LightningModule):
         every = self.cfg.train.grad_norm_every
         if every and self.global_step % every == 0:
             norms = layer_grad_norms(self.model)
-            self.log_dict({f"grad_norm/{k}": v for k, v in norms.items()}, on_step=True, on_epoch=False)
+            if norms:
+                # Straight to the loggers under this step. A value given to `self.log` stays in
+                # Lightning's step results for the rest of the epoch (here: the whole run) and is
+                # re-written, stale, under every later logged step that does not log it again.
+                metrics = {f"grad_norm/{k}": v for k, v in norms.items()}
+                for logger in self.loggers:
+                    logger.log_metrics(metrics, step=self.global_step)
 
     # --- steps ----------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -116,6 +122,10 @@ class StudyModule(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int):
         loss, n_tokens = self.training_loss(batch)
+        # Logged every step (Lightning writes every log_every steps): a value logged only on some
+        # steps is re-written, stale, under later steps, e.g. the lr of step 0 under step 9.
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         if not torch.isfinite(loss):
             # a diverged run is a result: stop cleanly and record where it happened
             self.diverged_at = int(self.global_step)
@@ -123,9 +133,6 @@ class StudyModule(L.LightningModule):
             return None
         self.train_tokens += n_tokens
         self._batch_tokens = n_tokens
-        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
-        if self.global_step % self.cfg.train.log_every == 0:
-            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
 
     def on_train_batch_end(self, outputs, batch: Any, batch_idx: int) -> None:

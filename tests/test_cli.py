@@ -1,0 +1,188 @@
+"""`study` command line, called in-process through study.cli.main."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from study.cli import main
+from study.config import PRESETS, axis_choices
+
+CONFIG = {
+    "name": "cli-tiny",
+    "model": {"preset": "gpt2", "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 16, "dropout": 0.0},
+    "task": {"name": "lm", "dataset": "tinyshakespeare", "seq_len": 16, "eval_lengths": [1, 2]},
+    "train": {"max_steps": 2, "batch_size": 4, "eval_every": 2, "eval_batches": 1, "warmup_steps": 1,
+              "progress_bar": False, "accelerator": "cpu"},
+}
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A clean working directory, no data folder from the environment, the hub offline."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("STUDY_DATA_DIR", raising=False)
+    monkeypatch.delenv("STUDY_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump(CONFIG, sort_keys=False))
+    return tmp_path
+
+
+def _no_training(monkeypatch):
+    """Fail the test if anything tries to build a model or prepare data."""
+    import study.run
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("study run trained although the config is invalid")
+
+    monkeypatch.setattr(study.run, "run_experiment", forbidden)
+
+
+def test_invalid_value_exits_2_naming_the_field_and_valid_values(workdir, monkeypatch, capsys):
+    _no_training(monkeypatch)
+    out = workdir / "run"
+    code = main(["run", str(workdir / "exp.yaml"), "--set", "model.norm=batchnorm", "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("study run: ")
+    assert "norm: 'batchnorm' is not one of ['layernorm', 'rmsnorm']" in err
+    assert not out.exists()
+
+
+def test_invalid_value_in_the_yaml_file_and_several_problems_at_once(workdir, monkeypatch, capsys):
+    _no_training(monkeypatch)
+    bad = dict(CONFIG, train={**CONFIG["train"], "schedule": "exponential", "lr": -1})
+    (workdir / "bad.yaml").write_text(yaml.safe_dump(bad))
+    assert main(["run", str(workdir / "bad.yaml"), "--out", str(workdir / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "schedule: 'exponential' is not one of ['constant', 'cosine', 'inverse_sqrt', 'linear']" in err
+    assert "lr: must be > 0" in err
+    assert not (workdir / "run").exists()
+
+
+def test_window_zero_is_rejected_naming_window(workdir, monkeypatch, capsys):
+    _no_training(monkeypatch)
+    assert main(["run", str(workdir / "exp.yaml"), "--set", "model.window=0", "--out", str(workdir / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "window: must be >= 1" in err
+    assert not (workdir / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("model.nonsense=1", ["nonsense", "unknown field"]),
+        ("modle.norm=rmsnorm", ["modle.norm", "model.FIELD"]),
+        ("task.dataset=imagenet", ["dataset", "'imagenet'", "tinyshakespeare", "wikitext-2"]),
+        ("model.n_layers=two", ["n_layers", "'two' is not a valid int"]),
+    ],
+)
+def test_other_bad_overrides_exit_2(workdir, monkeypatch, capsys, override, words):
+    _no_training(monkeypatch)
+    assert main(["run", str(workdir / "exp.yaml"), "--set", override, "--out", str(workdir / "run")]) == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err
+    assert not (workdir / "run").exists()
+
+
+def test_missing_config_file_exits_2(workdir, capsys):
+    assert main(["run", str(workdir / "nope.yaml")]) == 2
+    assert "nope.yaml does not exist" in capsys.readouterr().err
+
+
+def test_missing_data_dir_exits_2_with_the_data_error(workdir, capsys):
+    missing = workdir / "no-such-data"
+    out = workdir / "run"
+    code = main(["run", str(workdir / "exp.yaml"), "--data-dir", str(missing), "--out", str(out),
+                 "--cache-dir", str(workdir / "cache")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "dataset 'tinyshakespeare' is not available." in err
+    assert f"the data folder {missing} does not exist" in err
+    assert "offline mode (HF_HUB_OFFLINE=1)" in err
+    assert "tinyshakespeare/input.txt" in err
+    assert "--data-dir" in err and "STUDY_DATA_DIR" in err
+    assert not out.exists()
+
+
+def test_no_data_dir_at_all_exits_2(workdir, capsys):
+    code = main(["run", str(workdir / "exp.yaml"), "--out", str(workdir / "run"), "--cache-dir", str(workdir / "c")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "dataset 'tinyshakespeare' is not available." in err
+    assert "no data folder given" in err
+    assert not (workdir / "run").exists()
+
+
+def test_run_trains_and_prints_a_summary(workdir, capsys):
+    import random
+
+    rng = random.Random(1)
+    text = "".join(f"ROMEO:\n{' '.join(rng.choice(['my', 'love', 'night', 'fair', 'day']) for _ in range(6))}.\n\n"
+                   for _ in range(80))
+    (workdir / "data" / "tinyshakespeare").mkdir(parents=True)
+    (workdir / "data" / "tinyshakespeare" / "input.txt").write_text(text)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main(["run", str(workdir / "exp.yaml"), "--set", "train.lr=2e-3", "--set", "model.position=rope",
+                     "--data-dir", str(workdir / "data"), "--out", str(workdir / "run"),
+                     "--cache-dir", str(workdir / "cache")])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    stdout = capsys.readouterr().out
+    summary = json.loads(stdout[stdout.index("{"):])
+    assert summary["run_dir"] == str(workdir / "run") and summary["status"] == "completed" and summary["steps"] == 2
+    assert set(summary) >= {"valid_loss", "valid_ppl", "test_loss", "test_ppl"}
+    metrics = json.loads((workdir / "run" / "metrics.json").read_text())
+    assert metrics["metrics"]["valid_loss"] == summary["valid_loss"]
+    saved = yaml.safe_load((workdir / "run" / "config.yaml").read_text())
+    assert saved["train"]["lr"] == 2e-3 and saved["model"]["position"] == "rope"
+    assert not Path(workdir / "runs").exists()  # --out was used, not the default
+
+    # the same command again: the finished run is not repeated; a different config conflicts
+    assert main(["run", str(workdir / "exp.yaml"), "--set", "train.lr=2e-3", "--set", "model.position=rope",
+                 "--data-dir", str(workdir / "data"), "--out", str(workdir / "run")]) == 0
+    assert json.loads((workdir / "run" / "metrics.json").read_text()) == metrics
+    capsys.readouterr()
+    assert main(["run", str(workdir / "exp.yaml"), "--data-dir", str(workdir / "data"),
+                 "--out", str(workdir / "run")]) == 2
+    assert "different config" in capsys.readouterr().err
+
+
+def test_axes_lists_every_axis(capsys):
+    assert main(["axes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    choices = axis_choices()
+    assert len(lines) == len(choices)
+    for line, (axis, values) in zip(lines, choices.items()):
+        name, _, rest = line.partition(" ")
+        assert name == axis
+        assert rest.strip() == ", ".join(values)
+    assert "alibi" in dict(zip(choices, lines))["position"]
+
+
+def test_presets_lists_the_six_presets(capsys):
+    assert main(["presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(PRESETS) == 6
+    assert [line.split()[0] for line in lines] == list(PRESETS)
+    assert set(PRESETS) == {"vaswani", "bert", "gpt2", "t5", "llama2", "mistral"}
+    by_name = {line.split()[0]: line for line in lines}
+    assert "encoder-decoder" in by_name["vaswani"] and "sinusoidal" in by_name["vaswani"]
+    assert "window=4096" in by_name["mistral"] and "window=None" in by_name["llama2"]
+    assert "rmsnorm" in by_name["llama2"] and "swiglu" in by_name["llama2"]
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2

@@ -1,0 +1,466 @@
+"""The LM task end to end on a tiny synthetic Tiny-Shakespeare folder: the run directory, weights-only
+loading, perplexity against a hand computation, length extrapolation, divergence, exact resume, rerun,
+conflicts. Plus one test on the real WikiText-2 and Tiny Shakespeare files (marked realdata)."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import hashlib
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from study.config import ExperimentConfig
+from study.model import build_model
+from study.run import RunDirConflict, load_model, run_experiment
+from study.tasks import registry
+from study.tasks.base import lr_multiplier
+from study.tasks.lm import NOT_APPLICABLE, LMDataModule, LMModule
+
+SEQ_LEN = 16
+REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+SPEAKERS = ["KING HENRY", "QUEEN", "First Citizen", "GLOUCESTER", "ROMEO"]
+WORDS = ("the my thou art hath not shall be to and of love death night day lord king crown sword "
+         "sweet fair speak hear me what is this good").split()
+
+
+def write_corpus(data_dir: Path, n_speeches: int = 60, seed: int = 0) -> Path:
+    """A few KB of text in Tiny Shakespeare's format: `SPEAKER:` lines, verse, blank lines."""
+    rng = random.Random(seed)
+    speeches = []
+    for _ in range(n_speeches):
+        lines = []
+        for _ in range(rng.randint(1, 3)):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(3, 8))]
+            lines.append(" ".join(words).capitalize() + rng.choice([",", ".", "!", "?", ";"]))
+        speeches.append(f"{rng.choice(SPEAKERS)}:\n" + "\n".join(lines) + "\n")
+    folder = data_dir / "tinyshakespeare"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "input.txt"
+    path.write_text("\n".join(speeches))
+    return path
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for section, values in over.items():
+        if isinstance(values, dict):
+            out.setdefault(section, {}).update(values)
+        else:
+            out[section] = values
+    return out
+
+
+BASE: dict[str, Any] = {
+    "name": "tiny-shakespeare",
+    "model": {"preset": "gpt2", "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": SEQ_LEN, "dropout": 0.1},
+    "task": {"name": "lm", "dataset": "tinyshakespeare", "seq_len": SEQ_LEN, "eval_lengths": [1, 2, 4]},
+    "train": {
+        "max_steps": 12, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "schedule": "cosine",
+        "eval_every": 6, "checkpoint_every": 6, "eval_batches": 2, "log_every": 3, "grad_norm_every": 4,
+        "progress_bar": False, "accelerator": "cpu", "seed": 0,
+    },
+}
+
+
+def make_cfg(**over) -> ExperimentConfig:
+    return ExperimentConfig.from_dict(merge(BASE, over))
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def column_by_step(rows: list[dict[str, str]], column: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for row in rows:
+        if row.get(column):
+            step = int(row["step"])
+            assert step not in out, f"{column} logged twice for step {step}"
+            out[step] = row[column]
+    return out
+
+
+def hand_loss(model: torch.nn.Module, ids: torch.Tensor, length: int) -> tuple[float, int]:
+    """Mean next-token NLL over non-overlapping windows of `length` (the last one shorter), one window at a
+    time: every token but the first is predicted exactly once."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, length):
+            x = ids[start : min(start + length, len(ids) - 1)]
+            y = ids[start + 1 : start + 1 + len(x)]
+            logits = model(x[None])[0]
+            total += float(F.cross_entropy(logits.double(), y, reduction="sum"))
+            count += len(y)
+    return total / count, count
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """These models are tiny: one intra-op thread is as fast, and much faster when another process is
+    using the other core (OpenMP threads then wait for each other)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm")
+    path = write_corpus(root / "data")
+    return {"root": root, "data": root / "data", "cache": root / "cache", "input": path}
+
+
+def run(corpus, cfg: ExperimentConfig, name: str, **kw):
+    return run_experiment(cfg, corpus["root"] / name, data_dir=corpus["data"], cache_dir=corpus["cache"], **kw)
+
+
+@pytest.fixture(scope="module")
+def main_run(corpus):
+    """12 steps, checkpoint and evaluation every 6, dropout 0.1, learned positions with max_seq_len == seq_len."""
+    cfg = make_cfg()
+    metrics = run(corpus, cfg, "main")
+    return {"cfg": cfg, "dir": corpus["root"] / "main", "metrics": metrics}
+
+
+def hand_valid_ids(corpus) -> tuple[torch.Tensor, int]:
+    """The valid split tokenized by hand: nanoGPT's 90/10 character split; the char vocabulary is <unk> then the
+    training characters sorted by code point."""
+    text = corpus["input"].read_text()
+    cut = int(len(text) * 0.9)
+    vocab = ["<unk>"] + sorted(set(text[:cut]))
+    index = {c: i for i, c in enumerate(vocab)}
+    return torch.tensor([index.get(c, 0) for c in text[cut:]]), len(vocab)
+
+
+# --- the data module ------------------------------------------------------------------------------
+def test_datamodule_tokenizes_and_indexes_batches_by_step(corpus):
+    cfg = make_cfg()
+    dm = LMDataModule(cfg, data_dir=corpus["data"], cache_dir=corpus["cache"] / "dm")
+    dm.prepare()
+    ids, vocab_size = hand_valid_ids(corpus)
+    assert dm.tokenizer.vocab_size == vocab_size == dm.model_overrides()["vocab_size"]
+    assert torch.equal(dm.ids["valid"], ids)
+    assert torch.equal(dm.ids["test"], dm.ids["valid"])  # Tiny Shakespeare: test is valid
+    n_text = len(corpus["input"].read_text())
+    assert len(dm.ids["train"]) + len(dm.ids["valid"]) == n_text  # one id per character
+
+    # batch i depends only on (seed, i); x and y are shifted windows of the training stream
+    x, y = dm._train_batch(5)
+    assert x.shape == y.shape == (cfg.train.batch_size, SEQ_LEN)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    x2, _ = dm._train_batch(5)
+    assert torch.equal(x, x2)
+    # the data position restored from a checkpoint restarts the stream there
+    dm.load_state_dict({"train_batches": 5})
+    first = next(iter(dm.train_dataloader()))
+    assert torch.equal(first[0], x) and torch.equal(first[1], y)
+
+    # evaluation windows: non-overlapping, covering every target once, the last one partial
+    n = len(dm.ids["valid"])
+    assert (n - 1) % SEQ_LEN != 0, "the synthetic corpus should leave a partial final window"
+    windows = dm.windows("valid", SEQ_LEN)
+    ys = torch.cat([w[1].flatten() for w in windows])
+    assert torch.equal(ys, dm.ids["valid"][1:])
+    assert windows[-1][0].shape == (1, (n - 1) % SEQ_LEN)
+    xs = torch.cat([w[0].flatten() for w in windows])
+    assert torch.equal(xs, dm.ids["valid"][:-1])
+
+
+# --- the run directory ----------------------------------------------------------------------------
+def test_run_directory_contents(main_run, corpus):
+    d, m = main_run["dir"], main_run["metrics"]
+    for name in ("config.yaml", "env.json", "data.json", "metrics.json", "model.pt", "checkpoints/last.ckpt",
+                 "logs/metrics.csv"):
+        assert (d / name).is_file(), name
+    assert not [p for p in d.rglob("*.tmp")], "atomic writes left temporary files"
+
+    cfg = ExperimentConfig.from_yaml((d / "config.yaml").read_text())
+    _, vocab_size = hand_valid_ids(corpus)
+    assert cfg == main_run["cfg"].replace(model=main_run["cfg"].model.replace(vocab_size=vocab_size, pad_token_id=0))
+
+    env = json.loads((d / "env.json").read_text())
+    assert set(env["git"]) == {"commit", "dirty"}
+    assert env["git"]["commit"] is None or len(env["git"]["commit"]) == 40
+    assert env["packages"]["torch"] == torch.__version__.split("+")[0] or env["packages"]["torch"] == torch.__version__
+    assert "lightning" in env["packages"]
+    assert env["precision"] == "32-true"
+
+    data = json.loads((d / "data.json").read_text())
+    assert data["source"] == "local" and data["dataset"] == "tinyshakespeare"
+    assert data["files"] == {"input.txt": hashlib.sha256(corpus["input"].read_bytes()).hexdigest()}
+    assert data["tokens"]["valid"] == len(hand_valid_ids(corpus)[0])
+
+    stored = json.loads((d / "metrics.json").read_text())
+    assert stored == json.loads(json.dumps(m))
+    assert m["status"] == "completed" and m["diverged_at_step"] is None
+    assert m["steps"] == 12
+    assert m["train_tokens"] == 12 * 8 * SEQ_LEN
+    assert m["cost"]["parameters"] > 0 and m["cost"]["train_tokens_per_s"] > 0
+    for key in ("valid_loss", "valid_ppl", "test_loss", "test_ppl", "test_ppl_by_length"):
+        assert key in m["metrics"]
+    assert m["metrics"]["valid_ppl"] == pytest.approx(math.exp(m["metrics"]["valid_loss"]))
+
+
+def test_logged_curves(main_run):
+    """logs/metrics.csv: train/loss, train/lr and per-layer gradient norms, each under the step it belongs to."""
+    cfg = main_run["cfg"]
+    rows = read_csv(main_run["dir"] / "logs" / "metrics.csv")
+    columns = set(rows[0])
+    assert {"step", "train/loss", "train/lr", "val/loss"} <= columns
+    assert {"grad_norm/decoder.00", "grad_norm/decoder.01", "grad_norm/other"} <= columns
+
+    loss = column_by_step(rows, "train/loss")
+    assert sorted(loss) == [2, 5, 8, 11]  # Lightning writes every log_every (3) steps
+    assert all(math.isfinite(float(v)) for v in loss.values())
+    # the lr written under step s is the lr step s ran at (not that of an earlier step)
+    lr = column_by_step(rows, "train/lr")
+    assert sorted(lr) == sorted(loss)
+    for step, value in lr.items():
+        assert float(value) == pytest.approx(cfg.train.lr * lr_multiplier(step, cfg.train), rel=1e-6), step
+    # gradient norms every grad_norm_every (4) steps, and only there (no stale copies under later steps)
+    gn = column_by_step(rows, "grad_norm/decoder.00")
+    assert sorted(gn) == [0, 4, 8]
+    assert all(float(v) > 0 for v in gn.values())
+    assert len(column_by_step(rows, "val/loss")) == 2  # after steps 6 and 12
+
+
+def test_checkpoint_and_model_load_with_weights_only(main_run):
+    d = main_run["dir"]
+    ckpt = torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 12
+    assert {"state_dict", "optimizer_states", "lr_schedulers", "study"} <= set(ckpt)
+    assert ckpt["study"]["train_tokens"] == 12 * 8 * SEQ_LEN
+    assert isinstance(ckpt["study"]["torch_rng"], torch.Tensor)
+    assert ckpt["LMDataModule"] == {"train_batches": 12}
+    weights = torch.load(d / "model.pt", weights_only=True)
+    assert all(isinstance(v, torch.Tensor) for v in weights.values())
+    # model.pt is the final state of the model that the checkpoint holds too
+    for k, v in weights.items():
+        assert torch.equal(ckpt["state_dict"][f"model.{k}"], v), k
+
+
+def test_load_model_reproduces_valid_loss_and_perplexity_by_hand(main_run, corpus):
+    model, cfg = load_model(main_run["dir"])
+    assert not model.training
+    assert cfg.model.vocab_size == hand_valid_ids(corpus)[1]
+    ids, _ = hand_valid_ids(corpus)
+    loss, count = hand_loss(model, ids, SEQ_LEN)
+    assert count == len(ids) - 1  # every target, including the final partial window
+    m = main_run["metrics"]["metrics"]
+    assert loss == pytest.approx(m["valid_loss"], rel=1e-5)
+    assert math.exp(loss) == pytest.approx(m["valid_ppl"], rel=1e-5)
+    # Tiny Shakespeare's test split is its valid split
+    assert m["test_loss"] == m["valid_loss"] and m["test_ppl"] == m["valid_ppl"]
+    # training did something: better than the untrained model
+    fresh = build_model(cfg.model).eval()
+    assert loss < hand_loss(fresh, ids, SEQ_LEN)[0]
+
+
+def test_learned_positions_are_not_applicable_beyond_max_seq_len(main_run):
+    curve = main_run["metrics"]["metrics"]["test_ppl_by_length"]
+    assert list(curve) == ["16", "32", "64"]  # one entry per task.eval_lengths multiple
+    assert curve["16"] == pytest.approx(main_run["metrics"]["metrics"]["test_ppl"])
+    assert curve["32"] == NOT_APPLICABLE and curve["64"] == NOT_APPLICABLE
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+def test_extrapolating_positions_give_numbers_at_every_length(corpus, position):
+    cfg = make_cfg(model={"position": position, "n_layers": 1, "dropout": 0.0}, train={"max_steps": 2})
+    m = run(corpus, cfg, f"extrapolate-{position}")
+    assert m["status"] == "completed"
+    curve = m["metrics"]["test_ppl_by_length"]
+    assert list(curve) == ["16", "32", "64"]
+    assert all(isinstance(v, float) and math.isfinite(v) for v in curve.values())
+    model, _ = load_model(corpus["root"] / f"extrapolate-{position}")
+    ids, _ = hand_valid_ids(corpus)
+    for length in (16, 32, 64):  # windows longer than training (and than max_seq_len)
+        loss, count = hand_loss(model, ids, length)
+        assert count == len(ids) - 1
+        assert math.exp(loss) == pytest.approx(curve[str(length)], rel=1e-5), length
+
+
+# --- divergence -----------------------------------------------------------------------------------
+def test_absurd_lr_diverges_cleanly(corpus):
+    cfg = make_cfg(model={"n_layers": 1, "dropout": 0.0},
+                   train={"lr": 1e6, "grad_clip": None, "warmup_steps": 0, "max_steps": 30, "eval_every": 50})
+    d = corpus["root"] / "diverged-lr"
+    m = run(corpus, cfg, "diverged-lr")  # does not raise
+    assert m["status"] == "diverged"
+    assert isinstance(m["diverged_at_step"], int) and 0 < m["diverged_at_step"] < 30
+    assert m["metrics"] == {}
+    stored = json.loads((d / "metrics.json").read_text())
+    assert stored["status"] == "diverged" and stored["diverged_at_step"] == m["diverged_at_step"]
+    assert (d / "model.pt").is_file()
+    # a diverged run is finished: running it again does nothing
+    assert run(corpus, cfg, "diverged-lr") == stored
+
+
+def test_nan_loss_diverges_at_that_step(corpus, monkeypatch):
+    class NaNAtStep3(LMModule):
+        def training_loss(self, batch):
+            loss, n = super().training_loss(batch)
+            return (loss * float("nan"), n) if self.global_step == 3 else (loss, n)
+
+    monkeypatch.setitem(registry.TASK_FAMILIES, "lm", (LMDataModule, NaNAtStep3))
+    cfg = make_cfg(model={"n_layers": 1}, train={"max_steps": 10, "log_every": 1})
+    d = corpus["root"] / "diverged-nan"
+    m = run(corpus, cfg, "diverged-nan")
+    assert m["status"] == "diverged" and m["diverged_at_step"] == 3
+    assert m["train_tokens"] == 3 * 8 * SEQ_LEN  # the three finite steps
+    assert json.loads((d / "metrics.json").read_text())["diverged_at_step"] == 3
+    loss = column_by_step(read_csv(d / "logs" / "metrics.csv"), "train/loss")
+    assert [s for s, v in loss.items() if math.isfinite(float(v))] == [0, 1, 2]
+    assert math.isnan(float(loss[3])) and max(loss) == 3  # logged as nan, not as a stale finite value
+
+
+# --- exact resume ---------------------------------------------------------------------------------
+class Killed(BaseException):
+    """Stands in for SIGKILL: not an Exception, so nothing on the way up handles it."""
+
+
+def test_exact_resume_after_a_kill(main_run, corpus, monkeypatch):
+    """A run killed during step 9 (after the step-6 checkpoint, with steps 6-8 logged) and run again ends bit-identical to the
+    uninterrupted 12-step run: weights, train losses, validation losses and final metrics."""
+    cfg = main_run["cfg"]
+    d = corpus["root"] / "resumed"
+
+    class KilledDuringStep9(LMModule):
+        def on_train_batch_start(self, batch, batch_idx):
+            super().on_train_batch_start(batch, batch_idx)
+            if self.global_step == 9:
+                raise Killed()
+
+    with monkeypatch.context() as mp:
+        mp.setitem(registry.TASK_FAMILIES, "lm", (LMDataModule, KilledDuringStep9))
+        with pytest.raises(Killed):
+            run(corpus, cfg, "resumed")
+    assert not (d / "metrics.json").exists() and not (d / "model.pt").exists()
+    assert torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    killed_rows = read_csv(d / "logs" / "metrics.csv")
+    assert max(int(r["step"]) for r in killed_rows) == 8  # the attempt logged steps past the checkpoint
+
+    m = run(corpus, cfg, "resumed")  # same config, same directory: resumes from step 6
+    assert m["status"] == "completed" and m["steps"] == 12
+    ref = main_run["metrics"]
+    assert m["metrics"] == ref["metrics"]
+    assert m["train_tokens"] == ref["train_tokens"]
+
+    a = torch.load(main_run["dir"] / "model.pt", weights_only=True)
+    b = torch.load(d / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+    rows_a = read_csv(main_run["dir"] / "logs" / "metrics.csv")
+    rows_b = read_csv(d / "logs" / "metrics.csv")
+    for column in ("train/loss", "train/lr", "val/loss", "grad_norm/decoder.00", "grad_norm/other"):
+        assert column_by_step(rows_b, column) == column_by_step(rows_a, column), column
+    assert sorted(column_by_step(rows_b, "train/loss")) == [2, 5, 8, 11]  # history before the kill kept
+
+
+def test_rerunning_a_finished_run_does_nothing(main_run, corpus, monkeypatch):
+    d = main_run["dir"]
+    before = {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()}
+
+    def no_data(self):
+        raise AssertionError("a finished run must not load data or train again")
+
+    monkeypatch.setattr(LMDataModule, "prepare", no_data)
+    m = run(corpus, main_run["cfg"], "main")
+    assert m == json.loads((d / "metrics.json").read_text())
+    assert {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()} == before
+
+
+def test_a_different_config_in_the_same_directory_conflicts(main_run, corpus):
+    d = main_run["dir"]
+    before = {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()}
+    other = make_cfg(train={"lr": 1e-3})
+    # a finished run of another config: its metrics are not returned as this config's
+    with pytest.raises(RunDirConflict, match="different config"):
+        run(corpus, other, "main")
+    assert {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()} == before
+
+    # an unfinished run of another config (only its config.yaml written so far): not resumed
+    unfinished = corpus["root"] / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.yaml").write_text((d / "config.yaml").read_text())
+    with pytest.raises(RunDirConflict, match="different config"):
+        run(corpus, other, "unfinished")
+    assert sorted(p.name for p in unfinished.iterdir()) == ["config.yaml"]
+
+
+def test_force_reruns_from_scratch(corpus):
+    """--force into a directory holding another config's finished run trains the new config from step 0
+    (it must not resume the old config's checkpoint)."""
+    small = {"model": {"n_layers": 1, "dropout": 0.0}, "train": {"max_steps": 4, "checkpoint_every": 2}}
+    old = make_cfg(**small)
+    new = make_cfg(**merge(small, {"train": {"lr": 1e-2, "batch_size": 4}}))
+    run(corpus, old, "forced")
+    with pytest.raises(RunDirConflict):
+        run(corpus, new, "forced")
+    forced = run(corpus, new, "forced", force=True)
+    fresh = run(corpus, new, "fresh")
+    assert forced["steps"] == 4 and forced["train_tokens"] == 4 * 4 * SEQ_LEN
+    assert forced["metrics"] == fresh["metrics"]
+    a = torch.load(corpus["root"] / "forced" / "model.pt", weights_only=True)
+    b = torch.load(corpus["root"] / "fresh" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- real data ------------------------------------------------------------------------------------
+@pytest.mark.realdata
+def test_real_wikitext2_and_tinyshakespeare(tmp_path, monkeypatch):
+    if not REAL_DATA.is_dir():
+        pytest.skip(f"{REAL_DATA} not found")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.delenv("STUDY_DATA_DIR", raising=False)
+
+    prepared: list[LMDataModule] = []
+    original = LMDataModule.prepare
+
+    def prepare_then_shorten_evaluation(self):
+        original(self)
+        prepared.append(self)
+        # Evaluating WikiText-2's 463k valid+test tokens through a 33k-word softmax takes minutes on a CPU;
+        # this test is about preparing the data and training, so evaluate on the first 2k tokens only.
+        for split in ("valid", "test"):
+            self.ids[split] = self.ids[split][:2048]
+
+    monkeypatch.setattr(LMDataModule, "prepare", prepare_then_shorten_evaluation)
+    tiny = {"model": {"preset": "gpt2", "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 32},
+            "train": {"max_steps": 3, "batch_size": 8, "eval_every": 3, "eval_batches": 1, "progress_bar": False,
+                      "accelerator": "cpu", "warmup_steps": 1}}
+
+    wt = ExperimentConfig.from_dict(merge(tiny, {"name": "wt2", "task": {"dataset": "wikitext-2", "seq_len": 16,
+                                                                          "eval_lengths": [1]}}))
+    assert wt.task.tokenizer == "word"
+    m = run_experiment(wt, tmp_path / "wt2", data_dir=REAL_DATA, cache_dir=tmp_path / "cache")
+    dm = prepared[-1]
+    assert dm.tokenizer.vocab_size == 33278  # WikiText-2's vocabulary, <unk> and <eos> included
+    assert {"<unk>", "<eos>"} <= set(dm.tokenizer.tokenizer.get_vocab())
+    assert len(dm.ids["train"]) == 2_088_628
+    data = json.loads((tmp_path / "wt2" / "data.json").read_text())
+    assert data["tokens"] == {"train": 2_088_628, "valid": 217_646, "test": 245_569}
+    assert set(data["files"]) == {"train.txt.gz", "valid.txt", "test.txt"}
+    assert m["status"] == "completed" and m["steps"] == 3
+    assert math.isfinite(m["metrics"]["valid_ppl"]) and m["metrics"]["valid_ppl"] < 2 * 33278
+    assert ExperimentConfig.from_yaml((tmp_path / "wt2" / "config.yaml").read_text()).model.vocab_size == 33278
+
+    ts = ExperimentConfig.from_dict(merge(tiny, {"name": "ts", "task": {"dataset": "tinyshakespeare", "seq_len": 32,
+                                                                        "eval_lengths": [1]}}))
+    m = run_experiment(ts, tmp_path / "ts", data_dir=REAL_DATA, cache_dir=tmp_path / "cache")
+    assert m["status"] == "completed" and m["steps"] == 3
+    assert prepared[-1].tokenizer.vocab_size == 66  # 65 characters + <unk>
+    assert math.isfinite(m["metrics"]["valid_ppl"])
