@@ -23,7 +23,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / cfg.name
     try:
         metrics = run_experiment(cfg, out, data_dir=args.data_dir, cache_dir=args.cache_dir, force=args.force)
-    except (DataError, RunDirConflict, ConfigError) as err:
+    except (DataError, RunDirConflict, ConfigError, ValueError) as err:
         print(f"study run: {err}", file=sys.stderr)
         return 2
     summary = {k: v for k, v in metrics["metrics"].items() if not isinstance(v, dict)}
@@ -33,9 +33,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_axes(args: argparse.Namespace) -> int:
     from study.config import axis_choices
+    from study.model import ACTIVATIONS, NORMS, POSITIONS, RESIDUALS
 
+    registries = {r.axis: r for r in (NORMS, RESIDUALS, POSITIONS, ACTIVATIONS)}
     for axis, values in axis_choices().items():
-        print(f"{axis:14s} {', '.join(values)}")
+        print(f"{axis}: {', '.join(values)}")
+        if axis in registries:
+            for value in values:
+                print(f"    {value:12s} {registries[axis].doc(value)}")
     return 0
 
 

@@ -27,7 +27,7 @@ import torch
 
 from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text, read_json
-from study.model.accounting import cost_summary, kv_cache_bytes_per_token
+from study.model.accounting import cost_summary
 
 log = logging.getLogger(__name__)
 FINISHED = ("completed", "diverged")
@@ -76,6 +76,11 @@ def _same_experiment(stored: ExperimentConfig, cfg: ExperimentConfig) -> bool:
     return stored == cfg.replace(model=cfg.model.replace(**decided))
 
 
+def _launch_rank() -> int:
+    """The global rank Lightning's DDP launcher gives this process (0 when not launched)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
 def peak_memory_bytes() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
@@ -121,9 +126,10 @@ def run_experiment(
         previous = ExperimentConfig.from_yaml(config_path.read_text())
         if previous != cfg:
             raise RunDirConflict(f"{run_dir} holds a run of a different config; choose another directory or --force")
-    atomic_write_text(config_path, cfg.to_yaml())
-    atomic_write_json(run_dir / "env.json", snapshot(cfg.train.precision))
-    atomic_write_json(run_dir / "data.json", dm.fingerprint)
+    if _launch_rank() == 0:  # under DDP every rank runs this function; one writes the files
+        atomic_write_text(config_path, cfg.to_yaml())
+        atomic_write_json(run_dir / "env.json", snapshot(cfg.train.precision))
+        atomic_write_json(run_dir / "data.json", dm.fingerprint)
 
     t = cfg.train
     L.seed_everything(t.seed, workers=True, verbose=False)
@@ -170,8 +176,10 @@ def run_experiment(
     status = "diverged" if module.diverged_at is not None else "completed"
     final: dict[str, Any] = {}
     if status == "completed" and trainer.is_global_zero:
+        module.to(trainer.strategy.root_device)  # fit's teardown moved it to the CPU
         final = module.final_metrics(dm)
-    atomic_write(run_dir / "model.pt", lambda p: torch.save(module.model.state_dict(), p))
+    if trainer.is_global_zero:
+        atomic_write(run_dir / "model.pt", lambda p: torch.save(module.model.state_dict(), p))
     seq_len = cfg.task.seq_len
     bytes_per_element = 2 if "16" in t.precision else 4
     metrics = {
@@ -182,8 +190,7 @@ def run_experiment(
         "train_tokens": module.train_tokens,
         "metrics": final,
         "cost": {
-            **cost_summary(cfg.model, seq_len),
-            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg.model, bytes_per_element),
+            **cost_summary(cfg.model, seq_len, bytes_per_element),
             "train_tokens_per_s": module.throughput(),
             "peak_memory_bytes": peak_memory_bytes(),
             "fit_seconds": fit_seconds,

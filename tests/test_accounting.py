@@ -22,7 +22,7 @@ CONFIGS = {
     "mistral-window": preset("mistral", **SMALL, n_kv_heads=1, d_ff=96, window=4),
     "t5": preset("t5", **SMALL, n_encoder_layers=3, d_ff=96),
     "vaswani-untied": preset("vaswani", **SMALL, n_encoder_layers=1, d_ff=96, tie_embeddings=False),
-    "geglu-headdim": ModelConfig(**SMALL, activation="geglu", head_dim=8, type_vocab_size=2, bias=False),
+    "geglu-headdim": ModelConfig(**SMALL, arch="encoder", activation="geglu", head_dim=8, type_vocab_size=2, bias=False),
 }
 
 

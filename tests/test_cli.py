@@ -160,14 +160,15 @@ def test_run_trains_and_prints_a_summary(workdir, capsys):
 
 def test_axes_lists_every_axis(capsys):
     assert main(["axes"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if not line.startswith(" ")]  # indented lines describe values
     choices = axis_choices()
     assert len(lines) == len(choices)
     for line, (axis, values) in zip(lines, choices.items()):
-        name, _, rest = line.partition(" ")
+        name, _, rest = line.partition(": ")
         assert name == axis
         assert rest.strip() == ", ".join(values)
-    assert "alibi" in dict(zip(choices, lines))["position"]
+    assert "    alibi        linear distance penalty" in out  # each registered value with its description
 
 
 def test_presets_lists_the_six_presets(capsys):

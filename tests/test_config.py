@@ -133,3 +133,34 @@ def test_parse_overrides_reads_yaml_scalars():
         "window": 16, "norm": "rmsnorm", "bias": False, "n_kv_heads": None}
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides(["window"])
+
+
+def test_segment_embeddings_only_on_encoders():
+    problems, _ = problems_of(arch="decoder", type_vocab_size=2)
+    assert any(p.startswith("type_vocab_size:") for p in problems)
+
+
+def test_experiment_errors_list_every_section_with_its_prefix():
+    from study.config import ExperimentConfig
+
+    with pytest.raises(ConfigError) as err:
+        ExperimentConfig.from_dict({"model": {"window": 0}, "task": {"seq_len": 1}, "train": {"lr": -1}})
+    fields = {p.split(":")[0] for p in err.value.problems}
+    assert {"model.window", "task.seq_len", "train.lr"} <= fields
+
+
+def test_translation_needs_a_lossless_tokenizer():
+    from study.config import TaskConfig
+
+    with pytest.raises(ConfigError, match="lossless"):
+        TaskConfig(name="translation", dataset="multi30k", tokenizer="wordpiece", vocab_size=1000)
+    assert TaskConfig(name="translation", dataset="multi30k", tokenizer="bpe", vocab_size=1000).tokenizer == "bpe"
+
+
+def test_gated_ffn_default_width_keeps_the_parameter_count():
+    from study.model.ffn import default_d_ff
+
+    assert default_d_ff(4096, gated=True) == 11008  # Llama 2 7B
+    for d in (64, 128, 256, 512):
+        gated_params, plain_params = 3 * d * default_d_ff(d, True), 2 * d * default_d_ff(d, False)
+        assert abs(gated_params / plain_params - 1) < 0.03

@@ -66,7 +66,7 @@ class EOSBias:
 
     def __init__(self, model, bias: float, slope: float = 0.0):
         self.model, self.bias, self.slope = model, bias, slope
-        self.decoder = model.decoder  # what decoding reads the position limit from
+        self.config = model.config  # what decoding reads the position limit from
 
     def encode(self, src, mask=None):
         return self.model.encode(src, mask)

@@ -240,3 +240,19 @@ def test_bf16_autocast_forward_and_backward_run():
     loss.backward()
     assert math.isfinite(loss.item())
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_masked_positions_stay_finite_in_float16():
+    from study.model.transformer import _to_compute_dtype
+
+    pos = torch.arange(6)
+    bias, _ = attention_bias(pos, pos, causal=True, window=2)
+    half = _to_compute_dtype(bias, torch.float16)
+    assert torch.isfinite(half).all() and half.min() == torch.finfo(torch.float16).min
+
+
+def test_embed_scale_initialises_every_token_embedding_at_unit_scaled_variance():
+    model = build_model(tiny(arch="encoder-decoder", d_model=64, position="sinusoidal", embed_scale=True,
+                             tie_embeddings=False, vocab_size=2000))
+    for stack in (model.encoder, model.decoder):
+        assert abs(stack.token_embedding.weight.std().item() * 64**0.5 - 1) < 0.05

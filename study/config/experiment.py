@@ -70,12 +70,22 @@ class ExperimentConfig(Config):
         unknown = sorted(set(data) - {"name", *SECTIONS})
         if unknown:
             raise ConfigError(cls.__name__, [f"{k}: unknown section; valid: ['name', 'model', 'task', 'train']" for k in unknown])
-        return cls(
-            name=data.get("name", "experiment"),
-            model=_model_from(data.get("model", {})),
-            task=data["task"] if isinstance(data.get("task"), TaskConfig) else TaskConfig.from_dict(data.get("task")),
-            train=data["train"] if isinstance(data.get("train"), TrainConfig) else TrainConfig.from_dict(data.get("train")),
-        )
+        # build every section before failing, so one error lists the problems of all three
+        sections: dict[str, Any] = {}
+        problems: list[str] = []
+        builders = {"model": _model_from, "task": TaskConfig.from_dict, "train": TrainConfig.from_dict}
+        for section, build in builders.items():
+            value = data.get(section)
+            if isinstance(value, (ModelConfig, TaskConfig, TrainConfig)):
+                sections[section] = value
+                continue
+            try:
+                sections[section] = build(value or {})
+            except ConfigError as err:
+                problems += [f"{section}.{p}" for p in err.problems]
+        if problems:
+            raise ConfigError(cls.__name__, problems)
+        return cls(name=data.get("name", "experiment"), **sections)
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> "ExperimentConfig":
@@ -102,6 +112,3 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
         data.setdefault(section, {})[fname] = value
     return data
 
-
-def dump(cfg: ExperimentConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

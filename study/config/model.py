@@ -7,7 +7,6 @@ Every design axis is one field. Valid values for the registry-backed axes
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from study.config.base import Config, Problems
@@ -185,9 +184,9 @@ class ModelConfig(Config):
                 f"next-sentence prediction needs arch='encoder' with objective='mlm', got arch={self.arch!r}",
             )
             p.check(self.type_vocab_size >= 2, "type_vocab_size", "nsp needs segment embeddings: type_vocab_size >= 2")
+        if self.type_vocab_size:
+            p.check(self.arch == "encoder", "type_vocab_size",
+                    f"segment embeddings are only read by arch='encoder' (sentence pairs), got arch={self.arch!r}")
         if self.n_encoder_layers is not None:
             p.check(self.arch == "encoder-decoder", "n_encoder_layers", "only applies to arch='encoder-decoder'")
 
-
-def model_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(ModelConfig)]

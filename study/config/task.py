@@ -63,3 +63,11 @@ class TaskConfig(Config):
         p.check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_b", "decode length a*|src|+b needs a >= 0, b >= 1")
         if self.tokenizer in ("bpe", "wordpiece"):
             p.check(self.vocab_size is not None, "vocab_size", f"tokenizer={self.tokenizer!r} needs a vocab_size")
+        if self.name == "translation":
+            # BLEU is computed on detokenized text: the tokenizer must give the text back exactly
+            p.check(self.tokenizer in ("bpe", "char"), "tokenizer",
+                    f"translation is scored on detokenized text and needs a lossless tokenizer ('bpe' or 'char'), "
+                    f"got {self.tokenizer!r}")
+        if self.tokenizer == "bpe" and self.vocab_size is not None:
+            # byte-level BPE starts from 256 byte symbols; fewer leaves no room for a single merge
+            p.check(self.vocab_size > 260, "vocab_size", f"byte-level bpe needs vocab_size > 260, got {self.vocab_size}")

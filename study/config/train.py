@@ -36,7 +36,7 @@ class TrainConfig(Config):
     checkpoint_every: int | None = None  # None -> eval_every
     accelerator: str = "auto"
     devices: int = 1
-    strategy: str = "auto"  # 'ddp' for several GPUs
+    strategy: str = "auto"  # 'ddp' for several GPUs (each rank draws its own batches)
     num_workers: int = 0
     progress_bar: bool = True
 
@@ -44,7 +44,8 @@ class TrainConfig(Config):
         p.choice("schedule", self.schedule, SCHEDULES)
         p.choice("precision", self.precision, PRECISIONS)
         p.choice("accelerator", self.accelerator, ("auto", "cpu", "gpu", "cuda", "mps"))
-        p.choice("strategy", self.strategy, ("auto", "ddp", "ddp_spawn", "fsdp"))
+        # ddp_spawn would leave the run's measurements in the workers; fsdp shards what rank 0 evaluates
+        p.choice("strategy", self.strategy, ("auto", "ddp"))
         for name in ("max_steps", "batch_size", "accumulate", "eval_every", "log_every", "devices"):
             p.check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "grad_norm_every", "num_workers", "seed"):

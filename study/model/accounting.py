@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from study.config.model import ModelConfig
 from study.model.ffn import ACTIVATIONS
+from study.model.norms import NORMS
+from study.model.positions import POSITIONS
+from study.model.residual import RESIDUALS
 
 
 def _norm_params(cfg: ModelConfig) -> int:
-    return cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    return NORMS[cfg.norm].num_parameters(cfg.d_model, cfg.bias)
 
 
 def _linear(n_in: int, n_out: int, bias: bool) -> int:
@@ -30,20 +33,17 @@ def _ffn_params(cfg: ModelConfig, bias: bool) -> int:
 
 
 def _stack_params(cfg: ModelConfig, n_layers: int, cross: bool) -> int:
-    norms_per_sublayer = 2 if cfg.norm_position == "sandwich" else 1
+    residual = RESIDUALS[cfg.norm_position]
     sublayers = 3 if cross else 2
     block = _attention_params(cfg, cfg.bias) * (2 if cross else 1) + _ffn_params(cfg, cfg.bias)
-    block += sublayers * norms_per_sublayer * _norm_params(cfg)
+    block += sublayers * residual.norms_per_sublayer * _norm_params(cfg)
     n = n_layers * block
     n += cfg.type_vocab_size * cfg.d_model
-    if cfg.position == "learned":
-        n += cfg.max_seq_len * cfg.d_model
-    elif cfg.position == "t5_bias":
-        n += cfg.rel_buckets * cfg.n_heads
+    n += POSITIONS[cfg.position].num_parameters(cfg)
     if cfg.embedding_norm:
         n += _norm_params(cfg)
-    if cfg.norm_position in ("pre", "sandwich"):
-        n += _norm_params(cfg)  # final norm
+    if residual.needs_final_norm:
+        n += _norm_params(cfg)
     return n
 
 
@@ -150,10 +150,12 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> in
     return 2 * cfg.n_layers * cfg.resolved_n_kv_heads * cfg.resolved_head_dim * bytes_per_element
 
 
-def cost_summary(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+def cost_summary(cfg: ModelConfig, seq_len: int, bytes_per_element: int = 2) -> dict[str, float]:
     return {
         "parameters": parameter_count(cfg),
+        "d_ff": cfg.resolved_d_ff,
         "train_flops_per_token": flops_per_token(cfg, seq_len, training=True),
+        "train_flops_per_token_dense": flops_per_token(cfg, seq_len, training=True, dense_attention=True),
         "inference_flops_per_token": flops_per_token(cfg, seq_len, training=False),
-        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg, bytes_per_element),
     }

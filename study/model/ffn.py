@@ -36,10 +36,13 @@ ACTIVATIONS.add("geglu", Activation(F.gelu, gated=True), "GELU-gated linear unit
 
 def default_d_ff(d_model: int, gated: bool) -> int:
     """4d for a plain MLP; for a gated one, 2/3 of that so the parameter count matches
-    (Shazeer 2020), rounded up to a multiple of 256 as Llama does (4096 -> 11008)."""
+    (Shazeer 2020), rounded up to a multiple of min(256, d_model / 16): Llama's 256 at
+    d_model 4096 (-> 11008), while small models stay within a few percent of the plain MLP's
+    size so an activation ablation does not also change the model size."""
     if not gated:
         return 4 * d_model
-    return 256 * -(-(8 * d_model // 3) // 256)
+    multiple = max(1, min(256, d_model // 16))
+    return multiple * -(-(8 * d_model // 3) // multiple)
 
 
 class FeedForward(nn.Module):
@@ -49,7 +52,8 @@ class FeedForward(nn.Module):
         d_ff = cfg.resolved_d_ff
         self.w_in = nn.Linear(cfg.d_model, d_ff * (2 if self.activation.gated else 1), bias=cfg.bias)
         self.w_out = nn.Linear(d_ff, cfg.d_model, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        # No dropout inside: BERT, GPT-2 and Vaswani et al. drop the sublayer output only,
+        # which the residual recipe does.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w_in(x)
@@ -58,4 +62,4 @@ class FeedForward(nn.Module):
             h = self.activation.fn(gate) * up
         else:
             h = self.activation.fn(h)
-        return self.w_out(self.dropout(h))
+        return self.w_out(h)

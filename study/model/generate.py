@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from study.model.attention import KVCache
+from study.model.positions import POSITIONS
 from study.model.transformer import DecoderLM, EncoderDecoderLM
 
 
@@ -40,9 +41,9 @@ def _max_lengths(model, src_mask: torch.Tensor | None, src: torch.Tensor, a: flo
     learned positions (which do not extrapolate) BOS + max_len tokens must fit in max_seq_len."""
     src_len = src_mask.sum(1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1], device=src.device)
     max_len = (a * src_len.float() + b).long()
-    position = getattr(getattr(model, "decoder", None), "position", None)
-    if position is not None and not getattr(position, "extrapolates", True):
-        max_len = max_len.clamp(max=position.max_seq_len - 1)
+    cfg = getattr(model, "config", None)  # None: a stand-in model with no position table
+    if cfg is not None and not POSITIONS[cfg.position].extrapolates:
+        max_len = max_len.clamp(max=cfg.max_seq_len - 1)
     return max_len
 
 

@@ -13,6 +13,10 @@ NORMS: Registry[type[nn.Module]] = Registry("norm")
 
 @NORMS.register("layernorm", "LayerNorm: subtract the mean, divide by the std, scale and shift (Ba et al. 2016)")
 class LayerNorm(nn.Module):
+    @staticmethod
+    def num_parameters(dim: int, bias: bool) -> int:
+        return dim * (2 if bias else 1)
+
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
         self.eps = eps
@@ -26,6 +30,10 @@ class LayerNorm(nn.Module):
 @NORMS.register("rmsnorm", "RMSNorm: divide by the root mean square, scale only (Zhang & Sennrich 2019)")
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * g, computed in float32 as Llama and T5 do."""
+
+    @staticmethod
+    def num_parameters(dim: int, bias: bool) -> int:
+        return dim
 
     def __init__(self, dim: int, eps: float = 1e-6, bias: bool = False):
         super().__init__()

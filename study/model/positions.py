@@ -31,6 +31,11 @@ class PositionScheme(nn.Module):
         super().__init__()
         self.causal = causal
 
+    @staticmethod
+    def num_parameters(cfg) -> int:
+        """Trainable parameters one stack's instance holds (for the accounting formulas)."""
+        return 0
+
     def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
         return None
 
@@ -49,6 +54,10 @@ class NoPosition(PositionScheme):
 @POSITIONS.register("learned", "learned absolute position embeddings (BERT, GPT-2); cannot exceed max_seq_len")
 class LearnedPosition(PositionScheme):
     extrapolates = False
+
+    @staticmethod
+    def num_parameters(cfg) -> int:
+        return cfg.max_seq_len * cfg.d_model
 
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)
@@ -101,12 +110,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryPosition(PositionScheme):
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)
-        dim = cfg.resolved_head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim, self.theta = cfg.resolved_head_dim, cfg.rope_theta
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        # computed here in float32 (not a buffer) so bf16-true training cannot round the frequencies
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=positions.device) / self.dim))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
@@ -164,6 +173,10 @@ def t5_relative_bucket(
 
 @POSITIONS.register("t5_bias", "learned bucketed relative bias per head, shared across layers (Raffel et al. 2020, T5)")
 class T5RelativeBias(PositionScheme):
+    @staticmethod
+    def num_parameters(cfg) -> int:
+        return cfg.rel_buckets * cfg.n_heads
+
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)
         self.num_buckets = cfg.rel_buckets

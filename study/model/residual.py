@@ -25,6 +25,7 @@ Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
 class Residual(nn.Module):
     needs_final_norm = True
+    norms_per_sublayer = 1
 
     def __init__(self, norm: str, dim: int, eps: float, bias: bool, dropout: float):
         super().__init__()
@@ -48,6 +49,8 @@ class PreNorm(Residual):
 
 @RESIDUALS.register("sandwich", "x + Norm(F(Norm(x))) - Ding et al. 2021 (CogView)")
 class SandwichNorm(Residual):
+    norms_per_sublayer = 2
+
     def __init__(self, norm: str, dim: int, eps: float, bias: bool, dropout: float):
         super().__init__(norm, dim, eps, bias, dropout)
         self.out_norm = make_norm(norm, dim, eps, bias)

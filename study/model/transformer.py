@@ -36,6 +36,13 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _to_compute_dtype(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Cast an additive bias, keeping masked entries finite (-1e9 overflows float16 to -inf)."""
+    if bias is None:
+        return None
+    return bias.to(dtype).clamp(min=torch.finfo(dtype).min)
+
+
 @dataclass
 class StackInputs:
     """What every block of one forward pass shares."""
@@ -137,12 +144,12 @@ class Stack(nn.Module):
                 key_padding_mask=padding_mask,
                 position_bias=position_bias,
             )
-            masks[span] = (bias.to(dtype) if bias is not None else None, is_causal)
+            masks[span] = (_to_compute_dtype(bias, dtype), is_causal)
         memory_bias = None
         if memory is not None and memory_padding_mask is not None:
             mem_pos = torch.arange(memory.shape[1], device=device)
             memory_bias, _ = attention_bias(q_pos, mem_pos, causal=False, key_padding_mask=memory_padding_mask)
-            memory_bias = memory_bias.to(dtype)
+            memory_bias = _to_compute_dtype(memory_bias, dtype)
         inputs = StackInputs(masks, self.position.rotary(q_pos), memory, memory_bias, cache)
         for block in self.blocks:
             h = block(h, inputs)
@@ -172,7 +179,9 @@ class TransformerBase(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, cfg.init_std)
         if cfg.embed_scale:
-            nn.init.normal_(self.token_embedding.weight, 0.0, cfg.d_model**-0.5)
+            for module in self.modules():
+                if isinstance(module, Stack):
+                    nn.init.normal_(module.token_embedding.weight, 0.0, cfg.d_model**-0.5)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}  # tied weights count once

@@ -73,7 +73,7 @@ class StudyModule(L.LightningModule):
         self.cfg = cfg
         self.model = build_model(cfg.model)
         # compiled forward kept outside the module tree, so state_dict keys never change
-        self._compiled = torch.compile(self.model) if cfg.train.compile else None
+        object.__setattr__(self, "_compiled", torch.compile(self.model) if cfg.train.compile else None)
         self.diverged_at: int | None = None
         self.train_tokens = 0
         self._step_started: float | None = None
@@ -126,7 +126,10 @@ class StudyModule(L.LightningModule):
         # steps is re-written, stale, under later steps, e.g. the lr of step 0 under step 9.
         self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
-        if not torch.isfinite(loss):
+        diverged = not bool(torch.isfinite(loss))
+        if self.trainer.world_size > 1:  # every rank must skip the step together, or DDP hangs
+            diverged = self.trainer.strategy.reduce_boolean_decision(diverged, all=False)
+        if diverged:
             # a diverged run is a result: stop cleanly and record where it happened
             self.diverged_at = int(self.global_step)
             self.trainer.should_stop = True
@@ -176,12 +179,20 @@ def seeded_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
 class StepIndexedBatches(torch.utils.data.IterableDataset):
     """An endless stream of training batches where batch i depends only on (seed, i).
 
-    Resuming at optimizer step s restarts the stream at batch s * accumulate, so a resumed
-    run sees exactly the batches an uninterrupted one would (the data position is the step
-    counter). `make_batch(i)` builds batch i, drawing any randomness from
+    Resuming at optimizer step s restarts the stream at local batch s * accumulate, so a
+    resumed run sees exactly the batches an uninterrupted one would (the data position is the
+    step counter). Under DDP, rank r of w takes global batches r, r + w, r + 2w, ... so ranks
+    never train on the same batch; DataLoader workers split a rank's stream the same way.
+    `make_batch(i)` builds global batch i, drawing any randomness from
     `seeded_generator(seed, i)` or a permutation seeded by the epoch.
     """
 
@@ -191,10 +202,13 @@ class StepIndexedBatches(torch.utils.data.IterableDataset):
         self.start = 0
 
     def __iter__(self):
-        i = self.start
+        rank, world = _rank_and_world()
+        info = torch.utils.data.get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        local = self.start + worker
         while True:
-            yield self.make_batch(i)
-            i += 1
+            yield self.make_batch(local * world + rank)
+            local += n_workers
 
 
 class StudyDataModule(L.LightningDataModule):

@@ -45,6 +45,9 @@ class LMDataModule(StudyDataModule):
             else:
                 ids = [i for line in self.tokenizer.encode_batch(text.splitlines(keepends=True)) for i in line]
             self.ids[split] = torch.tensor(ids, dtype=torch.long)
+        if len(self.ids["train"]) <= task.seq_len:
+            raise ValueError(f"task.seq_len={task.seq_len} is not shorter than the {task.dataset} training split "
+                             f"({len(self.ids['train'])} tokens)")
         self.fingerprint = {**corpus.fingerprint, "tokenizer": self.tokenizer.key, "tokens": {k: len(v) for k, v in self.ids.items()}}
         self.train_stream = StepIndexedBatches(self._train_batch)
 
@@ -54,7 +57,7 @@ class LMDataModule(StudyDataModule):
     def _train_batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, b = self.cfg.task.seq_len, self.cfg.train.batch_size
         data = self.ids["train"]
-        starts = torch.randint(0, len(data) - t - 1, (b,), generator=seeded_generator(self.cfg.train.seed, i))
+        starts = torch.randint(0, len(data) - t, (b,), generator=seeded_generator(self.cfg.train.seed, i))
         idx = starts[:, None] + torch.arange(t + 1)
         window = data[idx]
         return window[:, :-1], window[:, 1:]
@@ -81,7 +84,12 @@ class LMModule(StudyModule):
     def training_loss(self, batch) -> tuple[torch.Tensor, int]:
         x, y = batch
         logits = self.net(x)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()), y.numel()
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), label_smoothing=self.cfg.train.label_smoothing)
+        return loss, y.numel()
+
+    def validation_loss(self, batch) -> tuple[torch.Tensor, int]:
+        x, y = batch
+        return F.cross_entropy(self.net(x).flatten(0, 1).float(), y.flatten()), y.numel()
 
     @torch.no_grad()
     def split_loss(self, batches) -> float:

@@ -140,8 +140,9 @@ class TranslationModule(StudyModule):
             started = time.perf_counter()
             hyps = self.translate(dm.corpus.sources(split), dm)
             seconds = time.perf_counter() - started
-            bleu = sacrebleu.metrics.BLEU()
-            chrf = sacrebleu.metrics.CHRF()
+            # a lowercased model is scored case-insensitively, and the signature says so (case:lc)
+            bleu = sacrebleu.metrics.BLEU(lowercase=self.cfg.task.lowercase)
+            chrf = sacrebleu.metrics.CHRF(lowercase=self.cfg.task.lowercase)
             results[split] = {
                 "bleu": bleu.corpus_score(hyps, [refs]).score,
                 "chrf": chrf.corpus_score(hyps, [refs]).score,
