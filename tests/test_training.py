@@ -351,3 +351,17 @@ def test_lm_training_loss_applies_label_smoothing_and_validation_does_not():
     assert smoothed.item() == pytest.approx(
         nn.functional.cross_entropy(logits, y.flatten(), label_smoothing=0.2).item(), rel=1e-5)
     assert abs(smoothed.item() - plain.item()) > 1e-4  # so the two checks above tell them apart
+
+
+def test_lm_evaluation_can_be_limited_to_the_first_tokens():
+    from study.tasks.lm import LMDataModule
+
+    cfg = ExperimentConfig(model=tiny_model_cfg(), task=TaskConfig(seq_len=8, eval_tokens=20),
+                           train=TrainConfig(batch_size=2))
+    dm = LMDataModule(cfg)
+    dm.ids = {"test": torch.arange(100)}
+    windows = dm.windows("test", 8)
+    inputs = torch.cat([x.flatten() for x, _ in windows])
+    targets = torch.cat([y.flatten() for _, y in windows])
+    assert inputs.tolist() == list(range(20)) and targets.tolist() == list(range(1, 21))
+    assert [x.shape for x, _ in windows] == [(2, 8), (1, 4)]

@@ -29,6 +29,7 @@ class TaskConfig(Config):
     lowercase: bool = False
     # lm: perplexity at these multiples of seq_len (length extrapolation, Press et al. 2022)
     eval_lengths: tuple[int, ...] = (1, 2, 4, 8)
+    eval_tokens: int | None = None  # lm: evaluate on the first N tokens of valid/test; None -> the whole split
     # translation
     src_lang: str = "de"
     tgt_lang: str = "en"
@@ -55,6 +56,8 @@ class TaskConfig(Config):
         p.check(self.vocab_size is None or self.vocab_size >= 16, "vocab_size", "must be >= 16 or null")
         p.check(len(self.eval_lengths) >= 1 and all(k >= 1 for k in self.eval_lengths), "eval_lengths",
                 f"must be multiples >= 1 of seq_len, got {list(self.eval_lengths)}")
+        p.check(self.eval_tokens is None or self.eval_tokens > self.seq_len, "eval_tokens",
+                f"must exceed seq_len={self.seq_len} or be null (the whole split), got {self.eval_tokens}")
         p.choice("src_lang", self.src_lang, LANGS)
         p.choice("tgt_lang", self.tgt_lang, LANGS)
         p.check(self.src_lang != self.tgt_lang, "tgt_lang", "must differ from src_lang")

@@ -18,22 +18,15 @@ from study.config.model import ModelConfig
 from study.model.attention import Attention, KVCache, attention_bias
 from study.model.ffn import ACTIVATIONS, FeedForward
 from study.model.norms import make_norm
+from study.model.loss import linear_cross_entropy
 from study.model.positions import make_position
+from study.model.precision import autocast_dtype
 from study.model.residual import RESIDUALS
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype attention scores will have: the autocast dtype when autocast is on."""
-    device = x.device.type
-    try:
-        if torch.is_autocast_enabled(device):
-            return torch.get_autocast_dtype(device)
-    except TypeError:  # torch < 2.4
-        if device == "cpu" and torch.is_autocast_cpu_enabled():
-            return torch.get_autocast_cpu_dtype()
-        if device == "cuda" and torch.is_autocast_enabled():
-            return torch.get_autocast_gpu_dtype()
-    return x.dtype
+    return autocast_dtype(x.device.type) or x.dtype
 
 
 def _to_compute_dtype(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -221,6 +214,12 @@ class DecoderLM(TransformerBase):
         self, input_ids: torch.Tensor, cache: KVCache | None = None, padding_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         return self.lm_head(self.decoder(input_ids, cache=cache, padding_mask=padding_mask))
+
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross-entropy, fused with the output projection so the (tokens, vocab)
+        logits are never stored (study.model.loss); equal to cross_entropy(forward(x), targets)."""
+        proj = self.lm_head.proj
+        return linear_cross_entropy(self.decoder(input_ids), proj.weight, targets, proj.bias, ignore_index)
 
 
 class MLMHead(nn.Module):

@@ -63,9 +63,11 @@ class LMDataModule(StudyDataModule):
         return window[:, :-1], window[:, 1:]
 
     def windows(self, split: str, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Non-overlapping windows covering the split (the last one shorter), batched to about
-        batch_size * seq_len tokens."""
+        """Non-overlapping windows covering the split (or its first task.eval_tokens tokens; the
+        last window shorter), batched to about batch_size * seq_len tokens."""
         data = self.ids[split]
+        if self.cfg.task.eval_tokens is not None:
+            data = data[: self.cfg.task.eval_tokens + 1]
         per_batch = max(1, self.cfg.train.batch_size * self.cfg.task.seq_len // length)
         n_full = (len(data) - 1) // length
         xs = data[: n_full * length].view(n_full, length)
@@ -83,8 +85,10 @@ class LMDataModule(StudyDataModule):
 class LMModule(StudyModule):
     def training_loss(self, batch) -> tuple[torch.Tensor, int]:
         x, y = batch
-        logits = self.net(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), label_smoothing=self.cfg.train.label_smoothing)
+        smoothing = self.cfg.train.label_smoothing
+        if smoothing == 0 and self._compiled is None:
+            return self.model.loss(x, y), y.numel()  # fused: no (tokens, vocab) logits in memory
+        loss = F.cross_entropy(self.net(x).flatten(0, 1).float(), y.flatten(), label_smoothing=smoothing)
         return loss, y.numel()
 
     def validation_loss(self, batch) -> tuple[torch.Tensor, int]:
@@ -121,7 +125,9 @@ class LMModule(StudyModule):
         curve = {}
         for k in cfg.task.eval_lengths:
             length = k * t
-            if not extrapolates and length > cfg.model.max_seq_len:
+            if k == 1:
+                curve[str(length)] = out["test_ppl"]
+            elif not extrapolates and length > cfg.model.max_seq_len:
                 curve[str(length)] = NOT_APPLICABLE
             else:
                 curve[str(length)] = math.exp(self.split_loss(dm.windows("test", length)))
