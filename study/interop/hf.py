@@ -72,6 +72,7 @@ import torch
 from torch import nn
 
 from study.config.model import ModelConfig
+from study.interop.torch_nn import copy_parameter
 from study.model.transformer import DecoderLM, EncoderModel, TransformerBase, build_model
 
 __all__ = ["UnsupportedHFModel", "config_from_hf", "from_hf", "load_hf_weights", "SUPPORTED_MODEL_TYPES"]
@@ -265,16 +266,9 @@ class _Copier:
             self.names.setdefault(id(p), name)
         self.done: set[int] = set()
 
-    @torch.no_grad()
     def __call__(self, dst: torch.Tensor | None, src: torch.Tensor | None, what: str) -> None:
-        if dst is None and src is None:
-            return
-        if dst is None or src is None:
-            raise UnsupportedHFModel(f"{what}: present on one side only (bias settings differ?)")
-        if dst.shape != src.shape:
-            raise ValueError(f"{what}: Hugging Face shape {tuple(src.shape)} does not fit ours {tuple(dst.shape)}")
-        dst.copy_(src)
-        self.done.add(id(dst))
+        if copy_parameter(dst, src, what, missing_error=UnsupportedHFModel):
+            self.done.add(id(dst))
 
     def linear(self, ours: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
         self(ours.weight, weight, f"{what}.weight")

@@ -102,19 +102,24 @@ def config_from_torch_layer(layer: TorchLayer, **overrides) -> ModelConfig:
 
 
 @torch.no_grad()
-def _copy(dst: torch.Tensor | None, src: torch.Tensor | None, name: str) -> None:
+def copy_parameter(
+    dst: torch.Tensor | None, src: torch.Tensor | None, name: str, missing_error: type[Exception] = ValueError
+) -> bool:
+    """Copy `src` into our `dst`, checking that both exist (or neither) and that shapes agree.
+    Returns whether anything was copied. Shared by the torch.nn and Hugging Face importers."""
     if dst is None and src is None:
-        return
+        return False
     if dst is None or src is None:
-        raise ValueError(f"{name}: one side has this parameter and the other does not (bias mismatch?)")
+        raise missing_error(f"{name}: present on one side only (bias settings differ?)")
     if dst.shape != src.shape:
-        raise ValueError(f"{name}: shape {tuple(src.shape)} cannot be copied into {tuple(dst.shape)}")
+        raise ValueError(f"{name}: source shape {tuple(src.shape)} does not fit ours {tuple(dst.shape)}")
     dst.copy_(src)
+    return True
 
 
 def _copy_norm(ours: nn.Module, theirs: nn.LayerNorm, name: str) -> None:
-    _copy(ours.weight, theirs.weight, f"{name}.weight")
-    _copy(getattr(ours, "bias", None), theirs.bias, f"{name}.bias")
+    copy_parameter(ours.weight, theirs.weight, f"{name}.weight")
+    copy_parameter(getattr(ours, "bias", None), theirs.bias, f"{name}.bias")
 
 
 @torch.no_grad()
@@ -124,30 +129,30 @@ def load_torch_layer(block: Block, layer: TorchLayer) -> Block:
     if decoder != (block.cross_attn is not None):
         raise ValueError("a TransformerDecoderLayer needs a block with cross-attention and an encoder layer one without")
     sa = layer.self_attn
-    _copy(block.self_attn.qkv_proj.weight, sa.in_proj_weight, "self_attn.in_proj_weight")
-    _copy(block.self_attn.qkv_proj.bias, sa.in_proj_bias, "self_attn.in_proj_bias")
-    _copy(block.self_attn.o_proj.weight, sa.out_proj.weight, "self_attn.out_proj.weight")
-    _copy(block.self_attn.o_proj.bias, sa.out_proj.bias, "self_attn.out_proj.bias")
+    copy_parameter(block.self_attn.qkv_proj.weight, sa.in_proj_weight, "self_attn.in_proj_weight")
+    copy_parameter(block.self_attn.qkv_proj.bias, sa.in_proj_bias, "self_attn.in_proj_bias")
+    copy_parameter(block.self_attn.o_proj.weight, sa.out_proj.weight, "self_attn.out_proj.weight")
+    copy_parameter(block.self_attn.o_proj.bias, sa.out_proj.bias, "self_attn.out_proj.bias")
     _copy_norm(block.self_attn_residual.norm, layer.norm1, "norm1")
     if decoder:
         ca = layer.multihead_attn
         d = ca.embed_dim
-        _copy(block.cross_attn.q_proj.weight, ca.in_proj_weight[:d], "multihead_attn.in_proj_weight[q]")
-        _copy(block.cross_attn.kv_proj.weight, ca.in_proj_weight[d:], "multihead_attn.in_proj_weight[k;v]")
+        copy_parameter(block.cross_attn.q_proj.weight, ca.in_proj_weight[:d], "multihead_attn.in_proj_weight[q]")
+        copy_parameter(block.cross_attn.kv_proj.weight, ca.in_proj_weight[d:], "multihead_attn.in_proj_weight[k;v]")
         if ca.in_proj_bias is not None or block.cross_attn.q_proj.bias is not None:
             bias = ca.in_proj_bias
-            _copy(block.cross_attn.q_proj.bias, None if bias is None else bias[:d], "multihead_attn.in_proj_bias[q]")
-            _copy(block.cross_attn.kv_proj.bias, None if bias is None else bias[d:], "multihead_attn.in_proj_bias[k;v]")
-        _copy(block.cross_attn.o_proj.weight, ca.out_proj.weight, "multihead_attn.out_proj.weight")
-        _copy(block.cross_attn.o_proj.bias, ca.out_proj.bias, "multihead_attn.out_proj.bias")
+            copy_parameter(block.cross_attn.q_proj.bias, None if bias is None else bias[:d], "multihead_attn.in_proj_bias[q]")
+            copy_parameter(block.cross_attn.kv_proj.bias, None if bias is None else bias[d:], "multihead_attn.in_proj_bias[k;v]")
+        copy_parameter(block.cross_attn.o_proj.weight, ca.out_proj.weight, "multihead_attn.out_proj.weight")
+        copy_parameter(block.cross_attn.o_proj.bias, ca.out_proj.bias, "multihead_attn.out_proj.bias")
         _copy_norm(block.cross_attn_residual.norm, layer.norm2, "norm2")
         _copy_norm(block.ffn_residual.norm, layer.norm3, "norm3")
     else:
         _copy_norm(block.ffn_residual.norm, layer.norm2, "norm2")
-    _copy(block.ffn.w_in.weight, layer.linear1.weight, "linear1.weight")
-    _copy(block.ffn.w_in.bias, layer.linear1.bias, "linear1.bias")
-    _copy(block.ffn.w_out.weight, layer.linear2.weight, "linear2.weight")
-    _copy(block.ffn.w_out.bias, layer.linear2.bias, "linear2.bias")
+    copy_parameter(block.ffn.w_in.weight, layer.linear1.weight, "linear1.weight")
+    copy_parameter(block.ffn.w_in.bias, layer.linear1.bias, "linear1.bias")
+    copy_parameter(block.ffn.w_out.weight, layer.linear2.weight, "linear2.weight")
+    copy_parameter(block.ffn.w_out.bias, layer.linear2.bias, "linear2.bias")
     return block
 
 
