@@ -1,4 +1,4 @@
-# study: `make install`, `make test`, `make bench`; later: `make ablation`, `make report`, `make compare`.
+# study: `make install`, `make test`, `make ablation`, `make report`, `make compare`, `make bench`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,14 @@ PY := $(VENV)/bin/python
 # torch build into the venv first (any torch >= 2.3); `make install` then keeps it.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test test-fast bench clean
+# The sweep `make ablation` runs (and `make report`/`make compare` read): any spec in experiments/.
+SPEC ?= experiments/ablation_default.yaml
+SWEEP ?= $(shell sed -n 's/^name: *//p' $(SPEC) | head -n 1)
+WORKERS ?=
+# Local data: $$STUDY_DATA_DIR, else ../shared/data when present, else the Hugging Face hub.
+DATA_DIR ?= $(if $(STUDY_DATA_DIR),$(STUDY_DATA_DIR),$(wildcard ../shared/data))
+
+.PHONY: install test test-fast bench ablation status report compare clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +32,18 @@ test-fast: install
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/throughput.py
+
+ablation: install
+	$(PY) -m study.cli sweep $(SPEC) $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(WORKERS),--workers $(WORKERS))
+
+status: install
+	$(PY) -m study.cli status results/$(SWEEP)
+
+report: install
+	$(PY) -m study.cli report results/$(SWEEP)
+
+compare: install
+	$(PY) -m study.cli compare results/$(SWEEP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,4 +1,13 @@
-"""`study` command line: `study run CONFIG.yaml [--set section.field=value ...]`, `study axes`, `study presets`."""
+"""`study` command line.
+
+    study run CONFIG.yaml [--set section.field=value ...]   one experiment
+    study sweep SPEC.yaml [--workers N] [--storage URL]      a sweep (make ablation)
+    study status results/<sweep>                             its progress
+    study results results/<sweep>                            its results table
+    study report results/<sweep>                             figures and report.md (make report)
+    study compare results/<sweep>                            beside published numbers (make compare)
+    study axes | study presets                               what can be varied
+"""
 
 from __future__ import annotations
 
@@ -29,6 +38,60 @@ def _cmd_run(args: argparse.Namespace) -> int:
     summary = {k: v for k, v in metrics["metrics"].items() if not isinstance(v, dict)}
     print(json.dumps({"run_dir": str(out), "status": metrics["status"], "steps": metrics["steps"], **summary}, indent=2))
     return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from study.config import ConfigError
+    from study.config.base import parse_overrides
+    from study.sweep import StorageError, SweepOptions, SweepSpecError, run_sweep
+
+    opts = SweepOptions(results=args.results, storage=args.storage, workers=args.workers, threads=args.threads,
+                        data_dir=args.data_dir, cache_dir=args.cache_dir, dry_run=args.dry_run,
+                        runner=args.runner)
+    try:
+        overrides = parse_overrides(args.set or [])
+        final = run_sweep(args.spec, opts, overrides=overrides)
+    except (SweepSpecError, StorageError, ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"study sweep: {err}", file=sys.stderr)
+        return 2
+    return 1 if final.get("failed") else 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from study.sweep import status
+
+    try:
+        print(status(_sweep_dir(args.sweep, args.results), args.storage))
+    except FileNotFoundError as err:
+        print(f"study status: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_results(args: argparse.Namespace) -> int:
+    from study.io import read_json
+    from study.sweep.results import summary, write_table
+
+    sweep_dir = _sweep_dir(args.sweep, args.results)
+    if not (sweep_dir / "plan.json").is_file():
+        print(f"study results: {sweep_dir} holds no sweep (no plan.json)", file=sys.stderr)
+        return 2
+    df = write_table(sweep_dir)
+    print(summary(df, read_json(sweep_dir / "plan.json")["objective"]["metric"]))
+    print(f"\nwritten: {sweep_dir / 'results.parquet'}, {sweep_dir / 'results.csv'}")
+    return 0
+
+
+def _sweep_dir(sweep: str, results: str) -> Path:
+    """A sweep folder given as a path, a sweep name, or the spec YAML it came from."""
+    path = Path(sweep)
+    if path.is_dir():
+        return path
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        import yaml
+
+        return Path(results) / (yaml.safe_load(path.read_text()) or {}).get("name", path.stem)
+    return Path(results) / sweep
 
 
 def _cmd_axes(args: argparse.Namespace) -> int:
@@ -66,6 +129,34 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--cache-dir", help="tokenizer cache (default: $STUDY_CACHE_DIR or .cache/study)")
     run.add_argument("--force", action="store_true", help="rerun even if the run directory holds a finished run")
     run.set_defaults(func=_cmd_run)
+    sweep = sub.add_parser("sweep", help="run (or continue) a sweep: every (point, seed) exactly once")
+    sweep.add_argument("spec", help="sweep spec YAML (see experiments/ablation_default.yaml)")
+    sweep.add_argument("--workers", type=int, help="local worker processes (default: the spec's workers)")
+    sweep.add_argument("--threads", type=int, help="CPU threads per trial (default: cores / workers)")
+    sweep.add_argument("--storage", default=os.environ.get("STUDY_STORAGE"),
+                       help="Optuna storage URL: sqlite:///..., journal:///..., postgresql://... "
+                            "(default: $STUDY_STORAGE, else sqlite under results/<sweep>/)")
+    sweep.add_argument("--results", default="results", help="results folder (default: results)")
+    sweep.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR"),
+                       help="local dataset folder (default: $STUDY_DATA_DIR; else the Hugging Face hub)")
+    sweep.add_argument("--cache-dir", help="tokenizer cache (default: $STUDY_CACHE_DIR or .cache/study)")
+    sweep.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a spec field (seeds=[0]) or a base config field (train.max_steps=50)")
+    sweep.add_argument("--dry-run", action="store_true", help="validate and print the plan; run nothing")
+    sweep.add_argument("--runner", default="study.run:run_experiment",
+                       help="module:function(cfg, run_dir, data_dir, cache_dir) that runs one trial "
+                            "(default: study.run:run_experiment)")
+    sweep.set_defaults(func=_cmd_sweep)
+    for name, func, text in (("status", _cmd_status, "progress of a sweep"),
+                             ("results", _cmd_results, "rebuild and summarise a sweep's results table")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("sweep", help="results/<sweep> folder, sweep name, or its spec YAML")
+        cmd.add_argument("--results", default="results", help="results folder (default: results)")
+        if name == "status":
+            cmd.add_argument("--storage", default=os.environ.get("STUDY_STORAGE"), help="the sweep's storage URL")
+        cmd.set_defaults(func=func)
+    from study.report.cli import add_commands as add_report_commands
+
+    add_report_commands(sub)  # study report RESULTS, study compare RESULTS
     sub.add_parser("axes", help="list every design axis and its values").set_defaults(func=_cmd_axes)
     sub.add_parser("presets", help="list the architecture presets").set_defaults(func=_cmd_presets)
     args = parser.parse_args(argv)

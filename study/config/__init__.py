@@ -10,3 +10,6 @@ from study.config.task import TaskConfig  # noqa: E402
 from study.config.train import TrainConfig  # noqa: E402
 
 __all__ += ["ExperimentConfig", "TaskConfig", "TrainConfig"]
+from study.config.sweep import SweepConfig  # noqa: E402
+
+__all__ += ["SweepConfig"]

@@ -101,8 +101,13 @@ class ExperimentConfig(Config):
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Apply `section.field=value` overrides (`name=...` for the top level)."""
+    return set_fields(data, parse_overrides(overrides))
+
+
+def set_fields(data: dict[str, Any], assignments: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the experiment mapping `data` with `{"section.field": value}` assignments applied."""
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    for key, value in parse_overrides(overrides).items():
+    for key, value in assignments.items():
         if key == "name":
             data["name"] = value
             continue

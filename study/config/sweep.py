@@ -1,0 +1,229 @@
+"""`SweepConfig`: a base experiment, the axes to vary, the design and the seeds.
+
+YAML form (see experiments/ablation_default.yaml):
+
+    name: default
+    base: shakespeare_char_llama2.yaml        # an experiment YAML, relative to this file
+    set: {train.max_steps: 400}                # overrides applied to the base
+    design: ofat                               # one-factor-at-a-time from the baseline, or grid
+    axes:
+      model.norm_position: [pre, post]         # a config field and its values; the first is the baseline
+      attention:                               # a named axis whose values set several fields
+        mha: {model.n_kv_heads: 4}
+        gqa: {model.n_kv_heads: 2}
+        mqa: {model.n_kv_heads: 1}
+      window:                                  # a conditional sub-grid: only where span=local
+        field: model.window
+        values: [16, 32]
+        when: {span: local}
+    seeds: [0, 1, 2]
+    objective: {metric: valid_loss, direction: minimize}
+
+Every axis value becomes a label (its YAML scalar, or the variant's name) so results
+tables and reports can name it; `Axis.values` maps label -> field assignments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from study.config.base import Config, Problems
+
+DESIGNS = ("ofat", "grid")
+DIRECTIONS = ("minimize", "maximize")
+SECTIONS = ("model", "task", "train")
+NOT_APPLICABLE = "n/a"  # the label of a conditional axis at points where its condition does not hold
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One design axis: ordered labels -> the config fields each sets; `when` makes it conditional."""
+
+    name: str
+    values: dict[str, dict[str, Any]]
+    when: dict[str, tuple[str, ...]]
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.values)
+
+    @property
+    def baseline(self) -> str:
+        return self.labels[0]
+
+
+def label_of(value: Any) -> str:
+    """How a YAML scalar value is written in labels, tables and directory names."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _known_field(path: str) -> str | None:
+    """None if `section.field` names a config field, else what is wrong with it."""
+    from study.config.model import ModelConfig
+    from study.config.task import TaskConfig
+    from study.config.train import TrainConfig
+
+    section, _, name = path.partition(".")
+    classes = {"model": ModelConfig, "task": TaskConfig, "train": TrainConfig}
+    if section not in classes or not name:
+        return f"{path!r} is not a config field; axes set fields like model.norm, task.seq_len or train.lr"
+    names = {f.name for f in dataclasses.fields(classes[section])} | ({"preset"} if section == "model" else set())
+    if name not in names:
+        return f"{path!r} is not a field of {section}; valid: {sorted(names)}"
+    if section == "train" and name == "seed":
+        return "train.seed is not an axis: list the seeds under `seeds:`"
+    return None
+
+
+def parse_axis(name: str, raw: Any, p: Problems) -> Axis | None:
+    """Normalise the three spellings of an axis (see the module docstring)."""
+    where = f"axes.{name}"
+    when_raw: dict[str, Any] = {}
+    if "." in name and isinstance(raw, list):  # model.norm: [layernorm, rmsnorm]
+        field_path, values_raw, name = name, raw, name.split(".", 1)[1]
+    elif isinstance(raw, dict) and ("values" in raw or "field" in raw):
+        unknown = sorted(set(raw) - {"field", "values", "when"})
+        if unknown:
+            p.add(where, f"unknown keys {unknown}; an axis has field, values and when")
+            return None
+        field_path, values_raw, when_raw = raw.get("field"), raw.get("values"), raw.get("when") or {}
+    elif isinstance(raw, dict):  # named variants
+        field_path, values_raw = None, raw
+    else:
+        p.add(where, "must be a list of values (with a field path as its name), a mapping of named variants, "
+                     "or {field, values, when}")
+        return None
+
+    values: dict[str, dict[str, Any]] = {}
+    if field_path is not None:
+        problem = _known_field(str(field_path))
+        if problem:
+            p.add(where, problem)
+            return None
+        if not isinstance(values_raw, list):
+            p.add(where, f"values must be a list, got {values_raw!r}")
+            return None
+        for v in values_raw:
+            values[label_of(v)] = {str(field_path): v}
+    else:
+        if not isinstance(values_raw, dict):
+            p.add(where, f"values must be a mapping of variant name -> fields, got {values_raw!r}")
+            return None
+        for label, assignments in values_raw.items():
+            if not isinstance(assignments, dict) or not assignments:
+                p.add(f"{where}.{label}", "must map config fields to values, e.g. {model.n_kv_heads: 1}")
+                return None
+            for path in assignments:
+                problem = _known_field(str(path))
+                if problem:
+                    p.add(f"{where}.{label}", problem)
+                    return None
+            values[label_of(label)] = dict(assignments)
+    if not values:
+        p.add(where, "has no values (an empty axis makes an empty grid)")
+        return None
+    if len(values) != len(values_raw):
+        p.add(where, "lists a value twice")
+        return None
+    if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+        p.add(where, f"axis name {name!r}: use letters, digits and _ only")
+        return None
+    if not isinstance(when_raw, dict):
+        p.add(f"{where}.when", "must map other axes to the value(s) where this axis applies")
+        return None
+    when = {str(k): tuple(label_of(x) for x in (v if isinstance(v, list) else [v])) for k, v in when_raw.items()}
+    return Axis(name=name, values=values, when=when)
+
+
+@dataclass(frozen=True)
+class SweepConfig(Config):
+    name: str = "sweep"
+    description: str = ""
+    base: Any = None  # path to an experiment YAML (relative to the spec) or an inline experiment mapping
+    set: dict = field(default_factory=dict)  # `section.field: value` overrides applied to the base
+    design: str = "ofat"
+    axes: dict = field(default_factory=dict)
+    exclude: tuple = ()  # mappings {axis: label, ...}; points matching one are dropped (grid designs)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    objective: dict = field(default_factory=lambda: {"metric": "valid_loss", "direction": "minimize"})
+    max_retries: int = 2  # a failed or lost trial runs at most 1 + max_retries times per invocation
+    heartbeat_s: int = 10  # a running trial's worker proves it is alive this often
+    grace_s: int = 60  # ...and is declared lost (its trial re-queued) after this long without a heartbeat
+    workers: int = 1  # local worker processes (`--workers` overrides)
+    cost_note: str = ""  # the expected cost as documented for the spec (shown in the plan)
+
+    def _validate(self, p: Problems) -> None:
+        p.check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), "name",
+                f"{self.name!r}: use letters, digits and _ . - only (it names a directory and a study)")
+        p.check(self.base is None or isinstance(self.base, (str, dict)), "base",
+                "must be the path of an experiment YAML or an inline {model, task, train} mapping")
+        p.choice("design", self.design, DESIGNS)
+        p.check(isinstance(self.set, dict), "set", "must map section.field to a value")
+        for key in (self.set if isinstance(self.set, dict) else {}):
+            if key != "name":
+                problem = _known_field(str(key))
+                if problem:
+                    p.add(f"set.{key}", problem)
+        p.check(isinstance(self.axes, dict) and len(self.axes) > 0, "axes", "must list at least one axis")
+        p.check(len(self.seeds) >= 1, "seeds", "must list at least one seed")
+        p.check(len(set(self.seeds)) == len(self.seeds), "seeds", f"lists a seed twice: {list(self.seeds)}")
+        p.check(all(s >= 0 for s in self.seeds), "seeds", "must be >= 0")
+        if isinstance(self.objective, dict):
+            unknown = sorted(set(self.objective) - {"metric", "direction"})
+            p.check(not unknown, "objective", f"unknown keys {unknown}; valid: metric, direction")
+            p.check(isinstance(self.objective.get("metric"), str), "objective.metric",
+                    "must name a final metric, e.g. valid_loss or bleu")
+            p.choice("objective.direction", self.objective.get("direction", "minimize"), DIRECTIONS)
+        else:
+            p.add("objective", "must be {metric: NAME, direction: minimize|maximize}")
+        p.check(self.max_retries >= 0, "max_retries", f"must be >= 0, got {self.max_retries}")
+        p.check(self.heartbeat_s >= 1, "heartbeat_s", f"must be >= 1, got {self.heartbeat_s}")
+        p.check(self.grace_s > 2 * self.heartbeat_s, "grace_s",
+                f"must exceed twice heartbeat_s={self.heartbeat_s}, got {self.grace_s}")
+        p.check(self.workers >= 1, "workers", f"must be >= 1, got {self.workers}")
+        axes = self.parsed_axes(p) if isinstance(self.axes, dict) else []
+        names = [a.name for a in axes]
+        for axis in axes:
+            for other, labels in axis.when.items():
+                if other not in names or other == axis.name:
+                    p.add(f"axes.{axis.name}.when", f"{other!r} is not another axis; axes: {names}")
+                    continue
+                known = next(a for a in axes if a.name == other).labels
+                for label in labels:
+                    p.check(label in known, f"axes.{axis.name}.when",
+                            f"{other}={label!r} is not a value of axis {other!r}; values: {known}")
+        for i, rule in enumerate(self.exclude):
+            if not isinstance(rule, dict) or not rule:
+                p.add(f"exclude[{i}]", "must map axes to values, e.g. {position: learned, span: local}")
+                continue
+            for axis_name, value in rule.items():
+                match = [a for a in axes if a.name == axis_name]
+                if not match:
+                    p.add(f"exclude[{i}]", f"{axis_name!r} is not an axis; axes: {names}")
+                elif label_of(value) not in match[0].labels:
+                    p.add(f"exclude[{i}]", f"{axis_name}={value!r} is not a value of that axis; values: {match[0].labels}")
+
+    @property
+    def metric(self) -> str:
+        return self.objective["metric"]
+
+    @property
+    def direction(self) -> str:
+        return self.objective.get("direction", "minimize")
+
+    def parsed_axes(self, p: Problems | None = None) -> list[Axis]:
+        p = p if p is not None else Problems()
+        axes = [parse_axis(str(name), raw, p) for name, raw in self.axes.items()]
+        parsed = [a for a in axes if a is not None]
+        seen: set[str] = set()
+        for a in parsed:
+            p.check(a.name not in seen, f"axes.{a.name}", "two axes have this name")
+            seen.add(a.name)
+        return parsed

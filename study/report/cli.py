@@ -1,0 +1,98 @@
+"""`study report RESULTS` and `study compare RESULTS`: registered on the `study` command line by
+`add_commands(subparsers)`; also runnable alone as `python -m study.report.cli report|compare ...`."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import sys
+from pathlib import Path
+
+DEFAULT_RUNS = "bench/results/run-*.json"
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from study.report import build_report
+
+    try:
+        output = build_report(args.results, args.out, formats=tuple(f for f in args.formats.split(",") if f))
+    except FileNotFoundError as err:
+        print(f"study report: {err}", file=sys.stderr)
+        return 2
+    from study.report.collect import load_results
+    from study.report.markdown import status_sentence
+
+    results = load_results(args.results)
+    print(f"study report: {status_sentence(results)}" + (" (partial: the sweep is still running or incomplete)"
+                                                        if results.is_partial else ""))
+    print(f"  {output.markdown}\n  {output.html}\n  {len(output.figures)} figures in {output.out / 'figures'}")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> list[str]:
+    if args.no_runs:
+        return []
+    if args.runs:
+        paths = []
+        for pattern in args.runs:
+            paths += sorted(glob.glob(pattern)) or [pattern]
+        return paths
+    return sorted(glob.glob(DEFAULT_RUNS))
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from study.report import build_compare
+
+    runs = _runs(args)
+    missing = [r for r in runs if not Path(r).exists()]
+    if missing:
+        print(f"study compare: no such run file or directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if not args.results and not runs:
+        print("study compare: give a results directory or --runs", file=sys.stderr)
+        return 2
+    try:
+        comparison = build_compare(args.results, args.out, runs=runs)
+    except FileNotFoundError as err:
+        print(f"study compare: {err}", file=sys.stderr)
+        return 2
+    verdicts = comparison.effects["verdict"].value_counts().to_dict() if len(comparison.effects) else {}
+    print("study compare: effects " + (", ".join(f"{n} {v}" for v, n in verdicts.items()) or "none tested")
+          + f"; {len(comparison.numbers)} number pairs "
+          f"({int(comparison.numbers['comparable'].sum()) if len(comparison.numbers) else 0} comparable)")
+    print(f"  {comparison.markdown}")
+    return 0
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Register `report` and `compare` on the `study` command line's subparsers."""
+    rep = subparsers.add_parser("report", help="figures, report.md and report.html for a sweep's results",
+                                description="Render a sweep's results directory (results/<sweep>/) into figures "
+                                            "(PNG and SVG), report.md and a standalone report.html. Works on a "
+                                            "sweep that is still running, and says so.")
+    rep.add_argument("results", help="the sweep's results directory, e.g. results/<sweep>")
+    rep.add_argument("--out", help="output directory (default: reports/<sweep>)")
+    rep.add_argument("--formats", default="png,svg", help="figure formats, comma-separated (default: png,svg)")
+    rep.set_defaults(func=_cmd_report)
+
+    cmp = subparsers.add_parser("compare", help="our results beside the published ones, with citations",
+                                description="Write compare.md / compare.csv: published effects beside our paired "
+                                            "differences (agree / disagree / inconclusive), and our numbers beside "
+                                            "published numbers with their comparability stated.")
+    cmp.add_argument("results", nargs="?", help="the sweep's results directory (optional when --runs is given)")
+    cmp.add_argument("--runs", nargs="+", metavar="RUN",
+                     help=f"recorded runs (run-*.json) or run directories to compare too (default: {DEFAULT_RUNS})")
+    cmp.add_argument("--no-runs", action="store_true", help="compare the sweep only")
+    cmp.add_argument("--out", help="output directory (default: reports/<sweep>)")
+    cmp.set_defaults(func=_cmd_compare)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="study")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""Seaborn figures for a sweep, written as PNG and SVG into <out>/figures/.
+
+Every plot function returns a matplotlib Figure (built without pyplot, so no global backend state)
+whose `_study_series` attribute lists the series drawn; `make_figures` saves them and returns a
+`FigureInfo` per figure. One palette maps each variant label to one colour in every figure.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from study.report.collect import BY_LENGTH, SweepResults, metric_column
+from study.report.stats import mean_ci, pareto_front, summarize
+
+METRIC_LABELS = {
+    "valid_loss": "validation loss (nats/token)",
+    "test_loss": "test loss (nats/token)",
+    "valid_ppl": "validation perplexity",
+    "test_ppl": "test perplexity",
+    "test_ppl_at_2x": "test perplexity at 2× training length",
+    "bleu": "BLEU (sacreBLEU, detokenized)",
+    "chrf": "chrF",
+}
+COSTS = (  # column, axis label, better
+    ("cost.train_tokens_per_s", "training throughput (tokens/s)", "higher"),
+    ("cost.parameters", "parameters", "lower"),
+    ("cost.kv_cache_bytes_per_token", "KV cache (bytes/token)", "lower"),
+)
+BASELINE_COLOUR = (0.15, 0.15, 0.15)
+
+
+def metric_label(metric: str) -> str:
+    name = metric.split(".", 1)[1] if metric.startswith("metric.") else metric
+    if name in METRIC_LABELS:
+        return METRIC_LABELS[name]
+    return name.replace("_", " ").replace(".", " / ")
+
+
+def variant_palette(labels: list[str], baseline: str | None = None) -> dict[str, tuple]:
+    """One colour per variant, fixed by the variant's place in the plan: the baseline is dark grey."""
+    colours = sns.color_palette("tab10", 10) + sns.color_palette("Dark2", 8) + sns.color_palette("Set1", 9)
+    palette, i = {}, 0
+    for label in labels:
+        if label == baseline:
+            palette[label] = BASELINE_COLOUR
+        else:
+            palette[label] = tuple(colours[i % len(colours)])
+            i += 1
+    return palette
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", str(text)).strip("-") or "x"
+
+
+@dataclass
+class FigureInfo:
+    name: str
+    title: str
+    kind: str
+    task: str
+    axis: str | None
+    series: list[str]
+    paths: list[Path] = field(default_factory=list)
+
+    @property
+    def n_series(self) -> int:
+        return len(self.series)
+
+    @property
+    def png(self) -> Path:
+        return next(p for p in self.paths if p.suffix == ".png")
+
+
+def _new(ncols: int = 1, width: float = 6.4, height: float = 4.2) -> tuple[Figure, list]:
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _finish(fig: Figure, series: list[str]) -> Figure:
+    fig._study_series = list(series)
+    return fig
+
+
+def _n_text(n: int) -> str:
+    return "n=1, no CI" if n == 1 else f"n={n}"
+
+
+# -- 1. metric per variant with 95% CIs ----------------------------------------------------------------
+def plot_metric_by_variant(done: pd.DataFrame, variants: list[tuple[str, str]], metric_col: str, palette: dict,
+                           title: str, baseline: str | None = None, xlabel: str = "variant") -> Figure:
+    """Per-seed points and the mean with its 95% t interval for each (tick, label) in `variants`.
+    Variants without a completed trial keep their tick, marked 'no completed run'."""
+    fig, (ax,) = _new(width=max(5.0, 1.1 * len(variants) + 2))
+    series = []
+    rng = np.random.default_rng(0)
+    base_mean = math.nan
+    for x, (tick, label) in enumerate(variants):
+        vals = pd.to_numeric(done.loc[done["label"] == label, metric_col], errors="coerce").dropna() \
+            if metric_col in done else pd.Series(dtype=float)
+        colour = palette.get(label, BASELINE_COLOUR)
+        if vals.empty:
+            ax.annotate("no completed\nrun", (x, 0.5), xycoords=("data", "axes fraction"), ha="center", va="center",
+                        fontsize=8, color="0.4")
+            continue
+        ci = mean_ci(vals)
+        series.append(label)
+        ax.scatter(x + rng.uniform(-0.12, 0.12, len(vals)), vals, s=18, color=colour, alpha=0.45, linewidths=0,
+                   zorder=2)
+        yerr = None if not ci.has_ci else [[ci.mean - ci.lo], [ci.hi - ci.mean]]
+        ax.errorbar([x], [ci.mean], yerr=yerr, fmt="D" if label == baseline else "o", color=colour, ms=7, capsize=5,
+                    elinewidth=1.8, zorder=3, label=label)
+        ax.annotate(_n_text(ci.n), (x, ci.hi if ci.has_ci else ci.mean), textcoords="offset points", xytext=(0, 6),
+                    ha="center", fontsize=7, color="0.35")
+        if label == baseline:
+            base_mean = ci.mean
+    if not math.isnan(base_mean):
+        ax.axhline(base_mean, color=BASELINE_COLOUR, lw=0.8, ls="--", zorder=1)
+    ticks = [t.replace("=", "=\n").replace(",", ",\n") for t, _ in variants]
+    ticks = [f"{t}\n(baseline)" if lbl == baseline and t != "baseline" else t for t, (_, lbl) in zip(ticks, variants)]
+    ax.set_xticks(range(len(variants)), ticks, fontsize=8 if len(variants) > 6 else None)
+    ax.margins(y=0.12)
+    ax.set_xlim(-0.6, len(variants) - 0.4)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(metric_label(metric_col))
+    ax.set_title(f"{title}\nmean and 95% t interval over seeds; dots are single seeds", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    return _finish(fig, series)
+
+
+# -- 2. training and validation curves -----------------------------------------------------------------
+def _curve_frame(results: SweepResults, rows: pd.DataFrame, column: str) -> pd.DataFrame:
+    parts = []
+    for _, row in rows.iterrows():
+        log = results.curves(row)
+        if log is None or column not in log:
+            continue
+        c = log[["step", column]].dropna()
+        if len(c):
+            parts.append(c.groupby("step", as_index=False)[column].mean().assign(seed=row["seed"], label=row["label"]))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["step", column, "seed", "label"])
+
+
+def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], palette: dict, title: str,
+                smooth: int = 5) -> Figure:
+    """Training (rolling mean over `smooth` logged points) and validation loss against step per variant:
+    the mean over seeds, with the range over seeds shaded."""
+    fig, axes = _new(ncols=2, width=5.6)
+    series = set()
+    for ax, column, name in zip(axes, ("train/loss", "val/loss"), ("training loss", "validation loss")):
+        frame = _curve_frame(results, rows, column)
+        if smooth > 1 and column == "train/loss" and len(frame):
+            frame[column] = frame.groupby(["label", "seed"])[column].transform(
+                lambda s: s.rolling(smooth, min_periods=1).mean())
+        for label in labels:
+            sub = frame[frame["label"] == label]
+            if sub.empty:
+                continue
+            agg = sub.groupby("step")[column].agg(["mean", "min", "max", "count"]).reset_index()
+            colour = palette.get(label, BASELINE_COLOUR)
+            ax.plot(agg["step"], agg["mean"], color=colour, lw=1.6, label=f"{label} (n={sub['seed'].nunique()})",
+                    marker="o" if column == "val/loss" else None, ms=3)
+            ax.fill_between(agg["step"], agg["min"], agg["max"], color=colour, alpha=0.15, lw=0)
+            series.add(label)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"{name} (nats/token)")
+        ax.set_title(name + (f" (rolling mean of {smooth} logs)" if column == "train/loss" and smooth > 1 else ""),
+                     fontsize=10)
+        ax.grid(alpha=0.3)
+        if not len(frame):
+            ax.text(0.5, 0.5, "no logged curves found", transform=ax.transAxes, ha="center", color="0.4")
+    handles, names = axes[1].get_legend_handles_labels()
+    if not handles:
+        handles, names = axes[0].get_legend_handles_labels()
+    if handles:
+        axes[1].legend(handles, names, fontsize=7, loc="upper right")
+    fig.suptitle(f"{title}\nmean over seeds; band: min to max over seeds", fontsize=10)
+    return _finish(fig, [lbl for lbl in labels if lbl in series])
+
+
+# -- 3. quality against cost with the Pareto front ------------------------------------------------------
+def plot_quality_vs_cost(done: pd.DataFrame, labels: list[str], metric_col: str, direction: str, palette: dict,
+                         title: str, baseline: str | None = None) -> Figure:
+    """Mean metric (95% t interval) against each cost per variant; the Pareto front (no variant is
+    both cheaper and better) ringed and joined. Only the front and the baseline are named on the plot."""
+    fig, axes = _new(ncols=len(COSTS), width=4.6, height=4.4)
+    series = set()
+    y_better = "lower" if direction == "minimize" else "higher"
+    for ax, (cost, cost_label, x_better) in zip(axes, COSTS):
+        s = summarize(done, metric_col, order=labels, extra=[cost]) if metric_col in done else pd.DataFrame()
+        if cost in done:
+            xs = summarize(done, cost, order=labels)
+            s = s.assign(x=s[cost], x_lo=xs["ci_lo"], x_hi=xs["ci_hi"])
+        s = s[s["n"] > 0].dropna(subset=["x"]) if len(s) and "x" in s else pd.DataFrame()
+        if s.empty:
+            ax.text(0.5, 0.5, f"{cost} not recorded", transform=ax.transAxes, ha="center", color="0.4")
+            ax.set_xlabel(cost_label)
+            continue
+        front = pareto_front(s["x"], s["mean"], x_better, y_better)
+        for (_, r), on_front in zip(s.iterrows(), front):
+            colour = palette.get(r["label"], BASELINE_COLOUR)
+            yerr = [[r["mean"] - r["ci_lo"]], [r["ci_hi"] - r["mean"]]] if pd.notna(r["ci_lo"]) else None
+            xerr = ([[r["x"] - r["x_lo"]], [r["x_hi"] - r["x"]]]
+                    if pd.notna(r["x_lo"]) and r["x_hi"] > r["x_lo"] else None)
+            ax.errorbar([r["x"]], [r["mean"]], yerr=yerr, xerr=xerr, fmt="o", color=colour, ms=6, capsize=3,
+                        label=r["label"], zorder=3)
+            if on_front:
+                ax.scatter([r["x"]], [r["mean"]], s=180, facecolors="none", edgecolors="black", linewidths=1.2,
+                           zorder=4)
+            if on_front or r["label"] == baseline:
+                ax.annotate(r["label"], (r["x"], r["mean"]), textcoords="offset points", xytext=(5, 4), fontsize=6.5,
+                            color=colour)
+            series.add(r["label"])
+        f = s[front].sort_values("x")
+        if len(f) > 1:
+            ax.plot(f["x"], f["mean"], color="black", lw=1, ls="--", zorder=2)
+        ax.set_xlabel(f"{cost_label} ({x_better} is better)")
+        ax.set_ylabel(f"{metric_label(metric_col)} ({y_better} is better)")
+        ax.grid(alpha=0.3)
+        if cost in ("cost.parameters",) and s["x"].max() / max(s["x"].min(), 1) > 20:
+            ax.set_xscale("log")
+    handles = [Line2D([], [], marker="o", ls="", color=palette.get(lbl, BASELINE_COLOUR), label=lbl)
+               for lbl in labels if lbl in series]
+    handles.append(Line2D([], [], marker="o", ms=11, mfc="none", mec="black", ls="--", color="black",
+                          label="Pareto front"))
+    fig.legend(handles=handles, loc="outside right upper", fontsize=7)
+    fig.suptitle(f"{title}\nquality against cost: mean and 95% t interval; ringed points are on the Pareto front",
+                 fontsize=10)
+    return _finish(fig, [lbl for lbl in labels if lbl in series])
+
+
+# -- 4. perplexity against evaluation length -------------------------------------------------------------
+def length_columns(table: pd.DataFrame) -> list[tuple[int, str]]:
+    return sorted((int(c[len(BY_LENGTH):]), c) for c in table.columns
+                  if c.startswith(BY_LENGTH) and c[len(BY_LENGTH):].isdigit())
+
+
+def plot_extrapolation(done: pd.DataFrame, variants: list[tuple[str, str]], palette: dict, title: str,
+                       train_len: int | None = None) -> Figure:
+    """Test perplexity against evaluation length per position scheme (mean, 95% t band); a scheme
+    that cannot run past its table (learned positions) stops where its values stop."""
+    fig, (ax,) = _new(width=6.8, height=4.6)
+    cols = length_columns(done)
+    series = []
+    for tick, label in variants:
+        sub = done[done["label"] == label]
+        pts = [(n, mean_ci(sub[c])) for n, c in cols]
+        pts = [(n, ci) for n, ci in pts if ci.n > 0]
+        if not pts:
+            continue
+        colour = palette.get(label, BASELINE_COLOUR)
+        xs = [n for n, _ in pts]
+        ys = [ci.mean for _, ci in pts]
+        stops = len(pts) < len(cols)
+        ax.plot(xs, ys, marker="o", color=colour, lw=1.8,
+                label=f"{tick} (n={max(ci.n for _, ci in pts)})" + (" - no values past its table" if stops else ""))
+        lo = [ci.lo if ci.has_ci else ci.mean for _, ci in pts]
+        hi = [ci.hi if ci.has_ci else ci.mean for _, ci in pts]
+        ax.fill_between(xs, lo, hi, color=colour, alpha=0.15, lw=0)
+        series.append(label)
+    if train_len:
+        ax.axvline(train_len, color="0.5", ls=":", lw=1)
+        ax.annotate("training length", (train_len, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", fontsize=7, color="0.4")
+    if cols:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([n for n, _ in cols], [str(n) for n, _ in cols])
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("test perplexity")
+    ax.set_title(f"{title}\nlength extrapolation: mean and 95% t band over seeds", fontsize=10)
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend(fontsize=7)
+    return _finish(fig, series)
+
+
+# -- 5. per-layer gradient norms --------------------------------------------------------------------------
+def _layer_key(col: str) -> tuple:
+    name = col.split("/", 1)[1]
+    stack, _, idx = name.partition(".")
+    return ({"encoder": 0, "decoder": 1}.get(stack, 2), int(idx) if idx.isdigit() else 99, name)
+
+
+def plot_grad_norms(results: SweepResults, rows: pd.DataFrame, variants: list[tuple[str, str]], palette: dict,
+                    title: str) -> Figure:
+    """Gradient norm of each layer's parameters per variant: at the first logged step (initialisation,
+    as in Xiong et al. 2020, Fig. 3) and averaged over the rest of training; mean over seeds."""
+    fig, axes = _new(ncols=2, width=5.4)
+    series = []
+    layer_names: list[str] = []
+    per_variant = {}
+    for tick, label in variants:
+        first, rest = [], []
+        for _, row in rows[rows["label"] == label].iterrows():
+            log = results.curves(row)
+            if log is None:
+                continue
+            cols = sorted([c for c in log.columns if c.startswith("grad_norm/") and c != "grad_norm/other"],
+                          key=_layer_key)
+            g = log[["step", *cols]].dropna(subset=cols, how="all") if cols else pd.DataFrame()
+            if g.empty:
+                continue
+            first.append(g.iloc[0][cols])
+            if len(g) > 1:
+                rest.append(g.iloc[1:][cols].mean())
+            layer_names = list(dict.fromkeys(layer_names + [c.split("/", 1)[1] for c in cols]))
+        if first:
+            per_variant[(tick, label)] = (pd.DataFrame(first), pd.DataFrame(rest) if rest else None)
+    for ax, which, name in zip(axes, (0, 1), ("at the first logged step (initialisation)", "mean over training")):
+        for (tick, label), frames in per_variant.items():
+            frame = frames[which]
+            if frame is None or frame.empty:
+                continue
+            frame.columns = [c.split("/", 1)[1] for c in frame.columns]
+            mean = frame.reindex(columns=layer_names).mean()
+            colour = palette.get(label, BASELINE_COLOUR)
+            ax.plot(range(len(layer_names)), mean.values, marker="o", color=colour, lw=1.8,
+                    label=f"{tick} (n={len(frame)})")
+            if label not in series:
+                series.append(label)
+        ax.set_xticks(range(len(layer_names)), layer_names, rotation=45, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlabel("layer (input side to output side)")
+        ax.set_ylabel("gradient L2 norm")
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{title}\nper-layer gradient norms, mean over seeds", fontsize=10)
+    return _finish(fig, series)
+
+
+# -- 6. heatmap for two-axis grids --------------------------------------------------------------------------
+def plot_heatmap(done: pd.DataFrame, axis_a: str, axis_b: str, values_a: list[str], values_b: list[str],
+                 metric_col: str, direction: str, title: str, other_axes: list[str] = ()) -> Figure:
+    fig, (ax,) = _new(width=1.3 * len(values_b) + 3, height=0.9 * len(values_a) + 2.2)
+    mean = pd.DataFrame(np.nan, index=values_a, columns=values_b)
+    annot = pd.DataFrame("", index=values_a, columns=values_b)
+    for a in values_a:
+        for b in values_b:
+            sub = done[(done[f"axis.{axis_a}"] == a) & (done[f"axis.{axis_b}"] == b)]
+            ci = mean_ci(sub[metric_col]) if metric_col in sub else mean_ci([])
+            if ci.n:
+                mean.loc[a, b] = ci.mean
+                spread = f"±{ci.half_width:.2g}" if ci.has_ci else "no CI"
+                annot.loc[a, b] = f"{ci.mean:.4g}\n{spread}\nn={ci.n}"
+            else:
+                annot.loc[a, b] = "no run"
+    cmap = "rocket_r" if direction == "maximize" else "rocket"
+    sns.heatmap(mean.astype(float), annot=annot, fmt="", cmap=cmap, ax=ax, linewidths=0.5, linecolor="white",
+                cbar_kws={"label": metric_label(metric_col)}, annot_kws={"fontsize": 7})
+    ax.set_xlabel(axis_b)
+    ax.set_ylabel(axis_a)
+    note = f"; averaged over {', '.join(other_axes)}" if other_axes else ""
+    ax.set_title(f"{title}\nmean ± 95% t half-width over seeds{note}", fontsize=10)
+    return _finish(fig, [f"{a}|{b}" for a in values_a for b in values_b if pd.notna(mean.loc[a, b])])
+
+
+# -- orchestration --------------------------------------------------------------------------------------------
+def save_figure(fig: Figure, directory: Path, name: str, formats=("png", "svg")) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, ext in enumerate(formats):
+        path = directory / f"{name}.{ext}"
+        fig.savefig(path, dpi=150 if ext == "png" else None)
+        paths.append(path)
+        if i == 0:  # the layout is settled by the first draw; don't solve it again for the other formats
+            try:
+                fig.set_layout_engine("none")
+            except RuntimeError:  # a colorbar under constrained layout: keep the engine
+                pass
+    return paths
+
+
+KINDS = ("metric", "curves", "cost", "extrapolation", "grad_norms", "heatmap")
+
+
+def make_figures(results: SweepResults, out: str | Path, formats=("png", "svg"), kinds=KINDS) -> list[FigureInfo]:
+    """Every figure the results allow, saved under <out>/figures/ (PNG and SVG by default); `kinds`
+    restricts which families are drawn."""
+    out = Path(out) / "figures"
+    palette = variant_palette(results.variant_order, results.baseline_label)
+    infos: list[FigureInfo] = []
+
+    def emit(fig: Figure, name: str, title: str, kind: str, task: str, axis: str | None = None):
+        if kind not in kinds:
+            return
+        paths = save_figure(fig, out, slug(name), formats)
+        infos.append(FigureInfo(slug(name), title, kind, task, axis, list(getattr(fig, "_study_series", [])), paths))
+
+    for task in results.tasks:
+        done = results.completed(task)
+        in_task = results.table["task"] == task
+        rows_task = results.table[in_task & results.table["status"].isin(("completed", "diverged"))]
+        metric, direction = results.objective(task)
+        mcol = metric_column(metric)
+        dataset = results.datasets_for(task)
+        head = f"{results.sweep}: {task}" + (f" on {dataset}" if dataset else "")
+        prefix = f"{task}-"
+        labels = results.labels_for(task)
+        base = results.baseline_label
+
+        # all variants on one figure
+        if "metric" in kinds:
+            fig = plot_metric_by_variant(done, [(lbl, lbl) for lbl in labels], mcol, palette,
+                                         f"{head}: every variant", baseline=base)
+            emit(fig, f"{prefix}{metric}-all-variants", f"{metric} for every variant", "metric", task)
+
+        one_factor = {axis: results.axis_labels(axis) for axis in results.axes}
+        one_factor = {a: v for a, v in one_factor.items() if len(v) >= 2}
+        for axis, variants in (one_factor.items() if "metric" in kinds else ()):
+            fig = plot_metric_by_variant(done, variants, mcol, palette, f"{head}: {axis}", baseline=base, xlabel=axis)
+            emit(fig, f"{prefix}{metric}-by-{axis}", f"{metric} by {axis}", "metric", task, axis)
+        # curves: per axis for one-factor slices, else all variants
+        curve_groups = ({a: [lbl for _, lbl in v] for a, v in one_factor.items()} if results.design == "ofat"
+                        else {"all": labels[:12]})
+        for axis, group in (curve_groups.items() if "curves" in kinds else ()):
+            fig = plot_curves(results, rows_task, group, palette, f"{head}: training curves, {axis}")
+            if fig._study_series:
+                emit(fig, f"{prefix}curves-{axis}", f"training and validation curves, {axis}", "curves", task, axis)
+        # quality against cost
+        if "cost" in kinds:
+            fig = plot_quality_vs_cost(done, labels, mcol, direction, palette, head, baseline=base)
+            emit(fig, f"{prefix}{metric}-vs-cost", f"{metric} against cost, Pareto front", "cost", task)
+        # extrapolation
+        if "extrapolation" in kinds and length_columns(done):
+            pos = one_factor.get("position") or [(lbl, lbl) for lbl in labels]
+            train_len = (results.point_config(base).get("task") or {}).get("seq_len") or length_columns(done)[0][0]
+            fig = plot_extrapolation(done, pos, palette, f"{head}: perplexity by evaluation length",
+                                     train_len=train_len)
+            if fig._study_series:
+                emit(fig, f"{prefix}extrapolation", "perplexity against evaluation length per position scheme",
+                     "extrapolation", task, "position")
+        # gradient norms, post vs pre norm
+        if "grad_norms" in kinds and "norm_position" in one_factor:
+            fig = plot_grad_norms(results, rows_task, one_factor["norm_position"], palette,
+                                  f"{head}: norm position")
+            if fig._study_series:
+                emit(fig, f"{prefix}grad-norms-norm_position", "per-layer gradient norms, post- vs pre-norm",
+                     "grad_norms", task, "norm_position")
+        # heatmaps for grids
+        if "heatmap" in kinds and results.design == "grid":
+            grid_axes = [a for a, v in results.axes.items() if len(v) >= 2 and f"axis.{a}" in done]
+            for a, b in combinations(grid_axes, 2):
+                others = [x for x in grid_axes if x not in (a, b)]
+                fig = plot_heatmap(done, a, b, results.axes[a], results.axes[b], mcol, direction,
+                                   f"{head}: {metric}", others)
+                emit(fig, f"{prefix}{metric}-heatmap-{a}-{b}", f"{metric} over {a} × {b}", "heatmap", task,
+                     f"{a}×{b}")
+    return infos

@@ -1,0 +1,155 @@
+"""Statistics that do not overclaim: means with t-distribution confidence intervals over seeds,
+differences against the baseline paired by seed, and Pareto fronts.
+
+n = 1 gives no interval (reported as such, never as +-0); a paired difference whose interval
+contains zero is `inconclusive`, whatever its mean says.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import stats as _st
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean of n values with a two-sided t interval (NaN bounds when n < 2)."""
+
+    n: int
+    mean: float
+    sd: float
+    lo: float
+    hi: float
+    confidence: float = CONFIDENCE
+
+    @property
+    def half_width(self) -> float:
+        return (self.hi - self.lo) / 2 if self.has_ci else math.nan
+
+    @property
+    def has_ci(self) -> bool:
+        return self.n >= 2 and not math.isnan(self.lo)
+
+    def crosses_zero(self) -> bool:
+        return not self.has_ci or (self.lo <= 0 <= self.hi)
+
+
+def t_critical(n: int, confidence: float = CONFIDENCE) -> float:
+    """The two-sided t quantile for n values (n - 1 degrees of freedom); NaN when n < 2."""
+    return float(_st.t.ppf(0.5 + confidence / 2, n - 1)) if n >= 2 else math.nan
+
+
+def mean_ci(values, confidence: float = CONFIDENCE) -> Interval:
+    """Mean and t interval of the finite values: mean +- t_{n-1} * sd / sqrt(n), sd with ddof=1."""
+    x = np.asarray(pd.to_numeric(pd.Series(values, dtype=object), errors="coerce"), dtype=float)
+    x = x[np.isfinite(x)]
+    n = int(x.size)
+    if n == 0:
+        return Interval(0, math.nan, math.nan, math.nan, math.nan, confidence)
+    mean = float(x.mean())
+    if n == 1:
+        return Interval(1, mean, math.nan, math.nan, math.nan, confidence)
+    sd = float(x.std(ddof=1))
+    half = t_critical(n, confidence) * sd / math.sqrt(n)
+    return Interval(n, mean, sd, mean - half, mean + half, confidence)
+
+
+def summarize(table: pd.DataFrame, metric_col: str, by: str = "label", order: list[str] | None = None,
+              extra: list[str] = ()) -> pd.DataFrame:
+    """One row per variant: n, mean, sd, CI bounds of `metric_col`, and the mean of `extra` columns.
+    Only the rows given are used (pass completed trials)."""
+    rows = []
+    groups = dict(tuple(table.groupby(by, sort=False))) if len(table) else {}
+    for key in (order if order is not None else list(groups)):
+        sub = groups.get(key, table.iloc[0:0])
+        ci = mean_ci(sub[metric_col]) if metric_col in sub else mean_ci([])
+        row = {by: key, "n": ci.n, "mean": ci.mean, "sd": ci.sd, "ci_lo": ci.lo, "ci_hi": ci.hi,
+               "ci_half": ci.half_width}
+        for col in extra:
+            row[col] = float(pd.to_numeric(sub[col], errors="coerce").mean()) if col in sub and len(sub) else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    variant: str
+    baseline: str
+    diff: Interval            # variant - baseline, paired by seed
+    seeds: tuple[int, ...]    # the seeds present (with a finite value) in both
+    direction: str            # 'minimize' | 'maximize': which sign is an improvement
+
+    @property
+    def verdict(self) -> str:
+        """'better' / 'worse' than the baseline when the interval excludes zero, 'inconclusive'
+        when it contains zero, 'no CI (n=1)' / 'no pairs' when it cannot be computed."""
+        if self.diff.n == 0:
+            return "no pairs"
+        if self.diff.n == 1:
+            return "no CI (n=1)"
+        if self.diff.lo <= 0 <= self.diff.hi:
+            return "inconclusive"
+        lower = self.diff.hi < 0
+        return "better" if lower == (self.direction == "minimize") else "worse"
+
+
+def paired_difference(table: pd.DataFrame, metric_col: str, variant: str, baseline: str,
+                      direction: str = "minimize", by: str = "label") -> PairedDifference:
+    """Mean over seeds of (variant - baseline), pairing trials that share a seed, with its t interval.
+    Seeds where either side has no finite value (failed, diverged, not run) are left out."""
+    def per_seed(label):
+        sub = table[(table[by] == label)]
+        if metric_col not in sub:
+            return {}
+        vals = pd.to_numeric(sub[metric_col], errors="coerce")
+        return {int(s): float(v) for s, v in zip(sub["seed"], vals) if pd.notna(s) and np.isfinite(v)}
+
+    a, b = per_seed(variant), per_seed(baseline)
+    seeds = tuple(sorted(set(a) & set(b)))
+    diffs = [a[s] - b[s] for s in seeds]
+    return PairedDifference(variant, baseline, mean_ci(diffs), seeds, direction)
+
+
+def paired_differences(table: pd.DataFrame, metric_col: str, baseline: str, variants: list[str],
+                       direction: str = "minimize", by: str = "label") -> pd.DataFrame:
+    rows = []
+    for v in variants:
+        if v == baseline:
+            continue
+        d = paired_difference(table, metric_col, v, baseline, direction, by)
+        rows.append({by: v, "n_pairs": d.diff.n, "diff": d.diff.mean, "ci_lo": d.diff.lo, "ci_hi": d.diff.hi,
+                     "verdict": d.verdict, "seeds": ",".join(map(str, d.seeds))})
+    return pd.DataFrame(rows, columns=[by, "n_pairs", "diff", "ci_lo", "ci_hi", "verdict", "seeds"])
+
+
+def pareto_front(x, y, x_better: str = "lower", y_better: str = "lower") -> np.ndarray:
+    """Boolean mask of the points no other point dominates (at least as good on both, better on one).
+    Points with a NaN coordinate are never on the front."""
+    x = np.asarray(x, dtype=float) * (1 if x_better == "lower" else -1)
+    y = np.asarray(y, dtype=float) * (1 if y_better == "lower" else -1)
+    ok = np.isfinite(x) & np.isfinite(y)
+    front = np.zeros(len(x), dtype=bool)
+    for i in np.flatnonzero(ok):
+        dominated = ok & (x <= x[i]) & (y <= y[i]) & ((x < x[i]) | (y < y[i]))
+        front[i] = not dominated.any()
+    return front
+
+
+def small_n_note(n: int, confidence: float = CONFIDENCE) -> str:
+    """A sentence on what n seeds can support."""
+    if n <= 0:
+        return "No completed seeds: nothing can be concluded."
+    if n == 1:
+        return "One seed per variant: no confidence interval can be computed, and no difference is significant."
+    t = t_critical(n, confidence)
+    text = (f"{n} seeds per variant: the {confidence:.0%} interval is mean ± {t:.2f} × sd/√{n} "
+            f"(t with {n - 1} degrees of freedom)")
+    if n < 5:
+        text += "; with this few seeds intervals are wide and only large effects can be told apart from noise"
+    return text + "."

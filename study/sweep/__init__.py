@@ -1,0 +1,20 @@
+"""Sweeps: expand a spec into points (plan), queue (point, seed) trials on Optuna's storage
+(queue, storage), run each trial in its own process (worker, trial), and rebuild the results
+table from the run directories (results). `runner.run_sweep` ties them together.
+
+Names are imported lazily so that `python -m study.sweep.worker` / `.trial` start clean."""
+
+import importlib
+
+_EXPORTS = {
+    "Plan": "plan", "Point": "plan", "SweepSpecError": "plan", "expand": "plan", "load_spec": "plan",
+    "point_hash": "plan", "SweepOptions": "runner", "run_sweep": "runner", "status": "runner",
+    "StorageError": "storage", "redact": "storage",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"study.sweep.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'study.sweep' has no attribute {name!r}")

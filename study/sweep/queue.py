@@ -1,0 +1,263 @@
+"""The sweep's trial queue, on Optuna's storage, with the holes that make a plain grid
+sampler unreliable closed (optuna #3256: failed points count as visited and never re-run;
+#485: a killed worker's trial stays RUNNING forever; GridSampler with several workers re-runs
+points).
+
+* Each (point, seed) is one *key*. The plan is enqueued under a lock (a marker study that only
+  one process can create), so several workers started together enqueue it once.
+* A worker claims a WAITING trial with the storage's atomic WAITING -> RUNNING update, then
+  checks that no other trial of the same key is running or done (a second guard).
+* While a trial runs, its worker writes a heartbeat (a user attribute). A RUNNING trial whose
+  heartbeat is older than the grace period, or whose worker process on this host is gone, is
+  failed by whichever worker notices first (an atomic RUNNING -> FAIL update that only one wins)
+  and that winner re-queues it once; the retry resumes from the run's last checkpoint.
+* A trial that exits with an error is failed and re-queued up to `max_retries` times; after that
+  it stays failed, with its error, until the sweep is run again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import optuna
+from optuna.trial import TrialState
+
+log = logging.getLogger(__name__)
+ACTIVE = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
+LOCK_STALE_S = 120.0
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    key: str
+    point: str
+    seed: int
+    label: str
+
+
+@dataclass
+class Claimed:
+    trial_id: int
+    number: int
+    spec: TrialSpec
+    attempt: int
+
+
+def _host() -> str:
+    return socket.gethostname()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class TrialQueue:
+    def __init__(self, storage: Any, sweep: str, direction: str = "minimize", *,
+                 heartbeat_s: int = 10, grace_s: int = 60, max_retries: int = 2) -> None:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.storage = storage
+        self.sweep = sweep
+        self.direction = direction
+        self.heartbeat_s = heartbeat_s
+        self.grace_s = grace_s
+        self.max_retries = max_retries
+        self.study = optuna.create_study(study_name=sweep, storage=storage, direction=direction, load_if_exists=True)
+        self.worker = f"{_host()}:{os.getpid()}"
+
+    # -- reading ------------------------------------------------------------------------
+    def trials(self, states: tuple[TrialState, ...] | None = None) -> list[optuna.trial.FrozenTrial]:
+        return self.study.get_trials(deepcopy=False, states=states)
+
+    def by_key(self) -> dict[str, list[optuna.trial.FrozenTrial]]:
+        out: dict[str, list[optuna.trial.FrozenTrial]] = {}
+        for t in self.trials():
+            key = t.user_attrs.get("key")
+            if key is not None:
+                out.setdefault(key, []).append(t)
+        return out
+
+    def counts(self, keys: list[str]) -> dict[str, int]:
+        """Per key, its most advanced state: done (completed or diverged), running, queued, failed."""
+        groups = self.by_key()
+        counts = {"done": 0, "running": 0, "queued": 0, "failed": 0, "not queued": 0}
+        for key in keys:
+            states = {t.state for t in groups.get(key, [])}
+            if TrialState.COMPLETE in states:
+                counts["done"] += 1
+            elif TrialState.RUNNING in states:
+                counts["running"] += 1
+            elif TrialState.WAITING in states:
+                counts["queued"] += 1
+            elif TrialState.FAIL in states:
+                counts["failed"] += 1
+            else:
+                counts["not queued"] += 1
+        return counts
+
+    # -- enqueueing -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _enqueue_lock(self) -> Iterator[None]:
+        from optuna.exceptions import DuplicatedStudyError
+        from optuna.study import StudyDirection
+
+        name = f"{self.sweep}~enqueue-lock"
+        first_seen: float | None = None
+        while True:
+            try:
+                lock_id = self.storage.create_new_study([StudyDirection.MINIMIZE], study_name=name)
+                break
+            except DuplicatedStudyError:
+                first_seen = first_seen or time.time()
+                if time.time() - first_seen > LOCK_STALE_S:  # its holder died while enqueueing
+                    with contextlib.suppress(KeyError):
+                        self.storage.delete_study(self.storage.get_study_id_from_name(name))
+                    first_seen = None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(KeyError):
+                self.storage.delete_study(lock_id)
+
+    def sync(self, specs: list[TrialSpec], finished: dict[str, float | None] | None = None,
+             retry_failed: bool = True) -> dict[str, int]:
+        """Enqueue every key that has no waiting, running or completed trial.
+
+        `finished` maps keys whose run directory already holds a finished run to its objective
+        value: those are recorded as COMPLETE without running (the storage rebuilt from the files).
+        With retry_failed=False (a worker topping up at the end) only keys whose every trial was
+        dropped as a duplicate are enqueued, never a key that failed for good."""
+        finished = finished or {}
+        added = {"enqueued": 0, "recorded": 0}
+        with self._enqueue_lock():
+            groups = self.by_key()
+            for spec in specs:
+                trials = groups.get(spec.key, [])
+                if any(t.state in ACTIVE for t in trials):
+                    continue
+                if not retry_failed and any(t.state == TrialState.FAIL for t in trials):
+                    continue
+                attrs = {"key": spec.key, "point": spec.point, "seed": spec.seed, "label": spec.label}
+                if spec.key in finished:
+                    value = finished[spec.key]
+                    self.study.add_trial(optuna.trial.create_trial(
+                        state=TrialState.COMPLETE, value=self._storable(value),
+                        user_attrs={**attrs, "from_files": True}))
+                    added["recorded"] += 1
+                else:
+                    self.study.enqueue_trial({}, user_attrs={**attrs, "attempt": 1})
+                    added["enqueued"] += 1
+        return added
+
+    def _storable(self, value: float | None) -> float:
+        """Optuna stores no NaN: a diverged or metric-less run is recorded as the worst value."""
+        if value is None or not math.isfinite(value):
+            return math.inf if self.direction == "minimize" else -math.inf
+        return float(value)
+
+    def _requeue(self, trial: optuna.trial.FrozenTrial, reason: str) -> bool:
+        attempt = int(trial.user_attrs.get("attempt", 1))
+        if attempt > self.max_retries:
+            log.warning("trial %s (%s) failed %d time(s): %s; not retried again in this run",
+                        trial.number, trial.user_attrs.get("label"), attempt, reason)
+            return False
+        attrs = {k: trial.user_attrs[k] for k in ("key", "point", "seed", "label") if k in trial.user_attrs}
+        self.study.enqueue_trial({}, user_attrs={**attrs, "attempt": attempt + 1, "retry_of": trial.number,
+                                                  "retry_reason": reason})
+        log.warning("re-queued %s (attempt %d): %s", trial.user_attrs.get("label"), attempt + 1, reason)
+        return True
+
+    # -- claiming -------------------------------------------------------------------------
+    def reap_lost(self) -> int:
+        """Fail and re-queue RUNNING trials whose worker is gone; returns how many this call won."""
+        now = time.time()
+        won = 0
+        for t in self.trials((TrialState.RUNNING,)):
+            beat = t.user_attrs.get("heartbeat")
+            if beat is None:
+                beat = t.datetime_start.timestamp() if t.datetime_start else now
+            host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
+            dead_here = host == _host() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+            if not dead_here and now - beat <= self.grace_s:
+                continue
+            reason = "its worker process is gone" if dead_here else f"no heartbeat for {now - beat:.0f} s"
+            try:
+                if not self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another worker got there first; it re-queues
+            won += 1
+            self._requeue(t, f"lost: {reason}")
+        return won
+
+    def claim(self) -> Claimed | None:
+        """Atomically take the oldest waiting trial; None when the queue is empty."""
+        for t in sorted(self.trials((TrialState.WAITING,)), key=lambda t: t.number):
+            try:
+                if not self.storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue
+            spec = TrialSpec(key=t.user_attrs["key"], point=t.user_attrs["point"], seed=int(t.user_attrs["seed"]),
+                             label=t.user_attrs.get("label", ""))
+            claimed = Claimed(trial_id=t._trial_id, number=t.number, spec=spec, attempt=int(t.user_attrs.get("attempt", 1)))
+            self.storage.set_trial_user_attr(t._trial_id, "worker", self.worker)
+            self.beat(claimed)
+            duplicate = self._duplicate_of(claimed)
+            if duplicate is not None:
+                self.storage.set_trial_user_attr(t._trial_id, "duplicate_of", duplicate)
+                self.storage.set_trial_state_values(t._trial_id, state=TrialState.PRUNED)
+                continue
+            return claimed
+        return None
+
+    def _duplicate_of(self, claimed: Claimed) -> int | None:
+        """Another trial of the same key that is done, or running and claimed before this one."""
+        for t in self.by_key().get(claimed.spec.key, []):
+            if t.number == claimed.number:
+                continue
+            if t.state == TrialState.COMPLETE:
+                return t.number
+            if t.state == TrialState.RUNNING and t.number < claimed.number:
+                return t.number
+        return None
+
+    def beat(self, claimed: Claimed) -> None:
+        self.storage.set_trial_user_attr(claimed.trial_id, "heartbeat", time.time())
+
+    def still_mine(self, claimed: Claimed) -> bool:
+        t = self.storage.get_trial(claimed.trial_id)
+        return t.state == TrialState.RUNNING and t.user_attrs.get("worker") == self.worker
+
+    # -- finishing ------------------------------------------------------------------------
+    def finish(self, claimed: Claimed, status: str, value: float | None, attrs: dict[str, Any]) -> None:
+        """Record a run that ended with a result (completed, or diverged: a result, not a failure)."""
+        for k, v in {**attrs, "status": status}.items():
+            self.storage.set_trial_user_attr(claimed.trial_id, k, v)
+        self.study.tell(claimed.number, self._storable(value))
+
+    def fail(self, claimed: Claimed, error: str) -> bool:
+        """Record a failed attempt and re-queue it if retries are left; returns whether it was."""
+        self.storage.set_trial_user_attr(claimed.trial_id, "error", error[-2000:])
+        self.storage.set_trial_user_attr(claimed.trial_id, "status", "failed")
+        self.study.tell(claimed.number, state=TrialState.FAIL)
+        return self._requeue(self.storage.get_trial(claimed.trial_id), error.strip().splitlines()[-1] if error.strip() else "error")
+
+    def release(self, claimed: Claimed, reason: str) -> None:
+        """Give a claimed trial back (this worker is stopping): fail it and re-queue it."""
+        with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+            if self.storage.set_trial_state_values(claimed.trial_id, state=TrialState.FAIL):
+                self._requeue(self.storage.get_trial(claimed.trial_id), reason)

@@ -1,0 +1,126 @@
+"""The sweep's results table, rebuilt from the run directories (the record), one row per trial.
+
+Columns: identity (sweep, point, seed, trial_key, label, varied, is_baseline, axis.<name>,
+task, dataset), outcome (status, attempts, error, steps, diverged_at_step, train_tokens,
+stopped_by), `metric.<name>` (nested metrics flattened with '.'), `cost.<name>`, and
+provenance (run_dir, env.*, data.fingerprint). Trials that never ran are rows with status
+'pending', so a partial sweep's table says what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from study.io import atomic_write, read_json
+from study.sweep.worker import SweepLayout
+
+STATUSES = ("completed", "diverged", "failed", "running", "pending")
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}", v, out)
+    elif isinstance(value, bool):
+        out[prefix] = value
+    elif isinstance(value, (int, float)):
+        out[prefix] = float(value) if prefix.startswith("metric.") else value
+    elif isinstance(value, str):
+        out[prefix] = value
+    elif value is None and prefix.startswith("metric."):
+        out[prefix] = float("nan")  # n/a, e.g. learned positions beyond their table
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return read_json(path) if path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tuple[str, str]:
+    if metrics and metrics.get("status") in ("completed", "diverged"):
+        return metrics["status"], ""
+    attempts = (trial or {}).get("attempts", [])
+    if not attempts:
+        return "pending", ""
+    last = attempts[-1]
+    if "ended" not in last:
+        return "running", ""
+    if last.get("outcome") == "failed":
+        return "failed", last.get("error", "")
+    return "pending", f"last attempt {last.get('outcome', 'ended')}"  # lost/interrupted: queued again
+
+
+def trial_row(sweep: str, point: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
+    cfg = point["config"]
+    row: dict[str, Any] = {
+        "sweep": sweep, "point": point["point"], "seed": seed, "trial_key": f"{point['point']}-s{seed}",
+        "label": point["label"], "varied": point["varied"], "is_baseline": point["is_baseline"],
+    }
+    for name, label in point["axes"].items():
+        row[f"axis.{name}"] = label
+    row["task"] = cfg["task"]["name"]
+    row["dataset"] = cfg["task"]["dataset"]
+    metrics = _read(run_dir / "metrics.json")
+    trial = _read(run_dir / "trial.json")
+    status, error = _status(metrics, trial)
+    row.update(status=status, attempts=len((trial or {}).get("attempts", [])), error=error)
+    m = metrics or {}
+    row.update(steps=m.get("steps"), diverged_at_step=m.get("diverged_at_step"),
+               train_tokens=m.get("train_tokens"), stopped_by=m.get("stopped_by"))
+    _flatten("metric", m.get("metrics", {}), row)
+    _flatten("cost", m.get("cost", {}), row)
+    row["run_dir"] = str(run_dir)
+    env = _read(run_dir / "env.json") or {}
+    git = env.get("git") or {}
+    row["env.git"] = (git.get("commit", "") + ("+dirty" if git.get("dirty") else "")) if isinstance(git, dict) else git
+    row["env.torch"] = (env.get("packages") or {}).get("torch")
+    row["env.device"] = env.get("cuda") or env.get("device")
+    row["env.threads"] = env.get("torch_threads")
+    data = _read(run_dir / "data.json")
+    row["data.fingerprint"] = (hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+                               if data else None)
+    return row
+
+
+def build_table(sweep_dir: str | Path):
+    """The results DataFrame of a sweep, from plan.json and the run directories."""
+    import pandas as pd
+
+    layout = SweepLayout(Path(sweep_dir))
+    plan = read_json(layout.plan_path)
+    rows = [trial_row(plan["sweep"], p, s, layout.run_dir(p["point"], s)) for p in plan["points"] for s in plan["seeds"]]
+    df = pd.DataFrame(rows)
+    first = [c for c in df.columns if not c.startswith(("metric.", "cost.", "env.", "data."))]
+    rest = sorted(c for c in df.columns if c not in first)
+    return df[first + rest]
+
+
+def write_table(sweep_dir: str | Path):
+    """Rebuild and write results.parquet and results.csv atomically; returns the DataFrame."""
+    sweep_dir = Path(sweep_dir)
+    df = build_table(sweep_dir)
+    atomic_write(sweep_dir / "results.csv", lambda p: df.to_csv(p, index=False))
+    try:
+        atomic_write(sweep_dir / "results.parquet", lambda p: df.to_parquet(p, index=False))
+    except ImportError:  # pyarrow is a dependency; a stripped install still gets the CSV
+        pass
+    return df
+
+
+def summary(df, metric: str) -> str:
+    """Mean, standard deviation and count of the objective per point, in the plan's order."""
+    col = f"metric.{metric}"
+    lines = [f"{'point':<28} {'n':>2} {'done':>4} {metric:>12} {'sd':>8}  status"]
+    for label, group in df.groupby("label", sort=False):
+        done = group[group.status.isin(["completed", "diverged"])]
+        values = done[col].dropna() if col in done else []
+        mean = f"{values.mean():.4f}" if len(values) else "-"
+        sd = f"{values.std(ddof=1):.4f}" if len(values) > 1 else "-"
+        states = ", ".join(f"{k} {v}" for k, v in group.status.value_counts().items())
+        lines.append(f"{label:<28} {len(group):>2} {len(done):>4} {mean:>12} {sd:>8}  {states}")
+    return "\n".join(lines)

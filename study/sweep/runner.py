@@ -1,0 +1,180 @@
+"""`study sweep SPEC`: plan, validate, enqueue, run workers, write the results table.
+
+    results/<sweep>/spec.yaml        the spec as written
+    results/<sweep>/plan.json        every point with its complete config and content hash
+    results/<sweep>/points/*.yaml    the config each trial process reads
+    results/<sweep>/study.db         the queue (SQLite by default; or --storage URL)
+    results/<sweep>/results.parquet  one row per (point, seed), rebuilt from the run directories
+    results/runs/<point>/seed-<k>/   each trial's run directory (shared by every sweep with that point)
+
+Running the same command again continues an interrupted sweep, and says so and runs nothing
+once the sweep is complete. Other machines join by running the same command with the same
+`--storage` URL (and a shared results/ folder).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from study.io import atomic_write_json, atomic_write_text, read_json
+from study.sweep import plan as planning
+from study.sweep.storage import default_url, open_storage, redact, validate_url
+from study.sweep.trial import DEFAULT_RUNNER
+from study.sweep.worker import (STORAGE_ENV, SweepLayout, WorkerOptions, _die_with_parent, finished_run,
+                                objective_value, open_queue, run_worker, trial_specs)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepOptions:
+    results: str | Path = "results"
+    storage: str | None = None
+    workers: int | None = None
+    threads: int | None = None
+    data_dir: str | None = None
+    cache_dir: str | None = None
+    runner: str = DEFAULT_RUNNER
+    dry_run: bool = False
+    estimate_rate: float | None = None  # FLOP/s for the plan's estimate (None: measure)
+    poll_s: float = 2.0
+
+
+def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None] = print,
+            overrides: dict[str, Any] | None = None) -> tuple[planning.Plan, SweepLayout, str]:
+    """Validate the spec and every point, print the plan, write the sweep folder. Runs nothing."""
+    spec, root = planning.load_spec(spec_path, overrides)
+    plan = planning.expand(spec, root)
+    for label, problems in plan.invalid:
+        say(f"invalid point {label}: " + "; ".join(problems))
+    planning.check(plan)
+    workers = opts.workers or spec.workers
+    threads = opts.threads or planning.default_threads(workers)
+    say(planning.describe(plan, planning.estimate(plan, opts.estimate_rate, workers, threads)))
+    layout = SweepLayout(Path(opts.results) / spec.name)
+    url = opts.storage or default_url(layout.sweep_dir)
+    validate_url(url)
+    if opts.dry_run:
+        return plan, layout, url
+    layout.sweep_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(layout.sweep_dir / "spec.yaml", Path(spec_path).read_text())
+    data = plan.to_dict()
+    data["storage"] = redact(url)
+    for p in plan.points:
+        atomic_write_text(layout.point_config(p.point), p.config.to_yaml())
+    atomic_write_json(layout.plan_path, data)
+    return plan, layout, url
+
+
+def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None] = print,
+              overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run (or continue) a sweep to the end; returns the final counts."""
+    from study.sweep.results import summary, write_table
+
+    plan, layout, url = prepare(spec_path, opts, say, overrides)
+    if opts.dry_run:
+        say("dry run: nothing was run")
+        return {}
+    started = time.time()
+    plan_data = read_json(layout.plan_path)
+    queue = open_queue(plan_data, url)
+    specs = trial_specs(plan_data)
+    keys = [s.key for s in specs]
+    finished = {}
+    for s in specs:
+        metrics = finished_run(layout.run_dir(s.point, s.seed))
+        if metrics is not None:
+            finished[s.key] = objective_value(metrics, plan.spec.metric)
+    added = queue.sync(specs, finished, retry_failed=True)
+    counts = queue.counts(keys)
+    say(f"storage {redact(url)}: {counts['done']}/{len(keys)} trials done, {counts['running']} running, "
+        f"{counts['queued']} queued ({added['enqueued']} newly queued, {added['recorded']} found finished on disk)")
+    workers = opts.workers or plan.spec.workers
+    threads = opts.threads or planning.default_threads(workers)
+    if counts["done"] == len(keys):
+        say(f"sweep {plan.spec.name!r} is complete: nothing to run")
+    else:
+        wopts = WorkerOptions(data_dir=opts.data_dir, cache_dir=opts.cache_dir, threads=threads,
+                              runner=opts.runner, poll_s=opts.poll_s)
+        say(f"running with {workers} worker(s) x {threads} thread(s)")
+        if workers == 1:
+            run_worker(queue, layout, wopts)
+        else:
+            run_worker_processes(layout, url, workers, wopts)
+    df = write_table(layout.sweep_dir)
+    say(summary(df, plan.spec.metric))
+    final = queue.counts(keys)
+    _record_invocation(layout, started, workers, threads, final)
+    say(f"{final['done']}/{len(keys)} trials done; {final['failed']} failed"
+        + (f"; see {layout.sweep_dir / 'results.csv'}" if len(df) else ""))
+    return final
+
+
+def _record_invocation(layout: SweepLayout, started: float, workers: int, threads: int,
+                       counts: dict[str, int]) -> None:
+    """Append this invocation (when, how many workers, how long, the counts after it) to
+    results/<sweep>/invocations.json: the sweep's wall-clock cost is measured, not guessed."""
+    import socket
+
+    path = layout.sweep_dir / "invocations.json"
+    history = read_json(path) if path.is_file() else []
+    history.append({"host": socket.gethostname(), "started": started, "ended": time.time(),
+                    "wall_seconds": time.time() - started, "workers": workers, "threads": threads,
+                    "counts_after": counts})
+    atomic_write_json(path, history)
+
+
+def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: WorkerOptions) -> None:
+    """Start `workers` local worker processes and wait for them; they die with this process."""
+    env = {**os.environ, STORAGE_ENV: url}
+    cmd = [sys.executable, "-m", "study.sweep.worker", "--sweep-dir", str(layout.sweep_dir),
+           "--threads", str(opts.threads), "--runner", opts.runner, "--poll-s", str(opts.poll_s)]
+    if opts.data_dir:
+        cmd += ["--data-dir", str(opts.data_dir)]
+    if opts.cache_dir:
+        cmd += ["--cache-dir", str(opts.cache_dir)]
+    procs = []
+    for _ in range(workers):
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        time.sleep(0.2)  # stagger the first claims
+    try:
+        for p in procs:
+            p.wait()
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        raise
+
+
+def status(sweep_dir: str | Path, storage: str | None = None) -> str:
+    """Progress of a sweep from its queue and its run directories."""
+    layout = SweepLayout(Path(sweep_dir))
+    if not layout.plan_path.is_file():
+        raise FileNotFoundError(f"{layout.sweep_dir} holds no sweep (no plan.json); run `study sweep SPEC` first")
+    plan = read_json(layout.plan_path)
+    specs = trial_specs(plan)
+    url = storage or default_url(layout.sweep_dir)
+    lines = [f"sweep {plan['sweep']!r}: {len(plan['points'])} points x {len(plan['seeds'])} seeds = {len(specs)} trials"]
+    try:
+        counts = open_queue(plan, url).counts([s.key for s in specs])
+        lines.append(f"queue ({redact(url)}): " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    except Exception as err:  # status still reports the files when the queue is unreachable
+        lines.append(f"queue ({redact(url)}) unavailable: {redact(str(err)).splitlines()[0]}")
+    on_disk = sum(finished_run(layout.run_dir(s.point, s.seed)) is not None for s in specs)
+    lines.append(f"finished run directories: {on_disk}/{len(specs)}")
+    return "\n".join(lines)
+
+
+def load_yaml(path: str | Path) -> Any:
+    return yaml.safe_load(Path(path).read_text())

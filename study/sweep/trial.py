@@ -1,0 +1,44 @@
+"""One trial in its own process: `python -m study.sweep.trial --config POINT.yaml --seed K --run-dir DIR`.
+
+A fresh process per trial gives every trial a fresh RNG state and returns all of its memory
+when it ends. The worker that starts it owns the queue bookkeeping; this process only trains
+and writes its run directory (atomically, through `study.run.run_experiment`, which resumes
+from the directory's last checkpoint when a previous attempt was interrupted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Callable
+
+DEFAULT_RUNNER = "study.run:run_experiment"
+
+
+def load_runner(spec: str) -> Callable:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m study.sweep.trial")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--data-dir")
+    parser.add_argument("--cache-dir")
+    parser.add_argument("--runner", default=DEFAULT_RUNNER, help="module:function(cfg, run_dir, data_dir, cache_dir)")
+    args = parser.parse_args(argv)
+
+    from study.config import ExperimentConfig
+
+    cfg = ExperimentConfig.from_yaml(Path(args.config))
+    cfg = cfg.replace(train=cfg.train.replace(seed=args.seed))
+    load_runner(args.runner)(cfg, args.run_dir, data_dir=args.data_dir, cache_dir=args.cache_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The sweep: every (point, seed) exactly once, through kills, concurrent workers and failures.
+
+The queue, storage, worker processes, trial subprocesses and files are all real; the trials use
+`sweep_fakes.fake_run` (scripted by the config) instead of training, except the last test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from study.sweep import SweepOptions, SweepSpecError, expand, load_spec, run_sweep
+from study.sweep.queue import TrialQueue
+from study.sweep.storage import StorageError, open_storage, redact
+from study.sweep.worker import SweepLayout, trial_specs
+from study.io import read_json
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+DATA = REPO.parent / "shared" / "data"
+FAKE = "sweep_fakes:fake_run"
+BASE = {
+    "model": {"preset": "gpt2", "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 16},
+    "task": {"name": "lm", "dataset": "tinyshakespeare", "seq_len": 16},
+    "train": {"max_steps": 10, "batch_size": 2},
+}
+
+
+@pytest.fixture(autouse=True)
+def _fakes_importable(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("STUDY_FAKE_SLEEP", "0")
+
+
+def write_spec(tmp_path: Path, **fields) -> Path:
+    spec = {"name": "t", "base": BASE, "design": "ofat", "axes": {"model.norm_position": ["pre", "post"]},
+            "seeds": [0, 1], "heartbeat_s": 1, "grace_s": 5, **fields}
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def opts(tmp_path: Path, **kw) -> SweepOptions:
+    return SweepOptions(results=tmp_path / "results", runner=FAKE, estimate_rate=1e11, poll_s=0.3, **kw)
+
+
+def completions(results: Path) -> dict[str, int]:
+    """How many times each run directory finished a run (must be exactly once each)."""
+    return {f"{p.parent.parent.name}-s{p.parent.name.split('-')[1]}": len(p.read_text().splitlines())
+            for p in results.glob("runs/*/seed-*/completions.log")}
+
+
+def queue_for(sweep_dir: Path, url: str | None = None) -> tuple[TrialQueue, list[str]]:
+    plan = read_json(sweep_dir / "plan.json")
+    url = url or f"sqlite:///{sweep_dir / 'study.db'}"
+    queue = TrialQueue(open_storage(url), plan["sweep"], plan["objective"]["direction"])
+    return queue, [s.key for s in trial_specs(plan)]
+
+
+def complete_keys(queue: TrialQueue) -> list[str]:
+    return [t.user_attrs["key"] for t in queue.trials() if t.state.name == "COMPLETE"]
+
+
+# -- the spec and the plan --------------------------------------------------------------------
+def test_ofat_design_is_the_baseline_plus_each_other_value_of_each_axis(tmp_path):
+    spec, root = load_spec(write_spec(tmp_path, axes={
+        "model.norm_position": ["pre", "post"],
+        "model.position": ["learned", "rope", "alibi"],
+        "attention": {"mha": {"model.n_kv_heads": 2}, "mqa": {"model.n_kv_heads": 1}},
+    }))
+    plan = expand(spec, root)
+    assert [p.label for p in plan.points] == [
+        "baseline", "norm_position=post", "position=rope", "position=alibi", "attention=mqa"]
+    assert plan.points[0].axes == {"norm_position": "pre", "position": "learned", "attention": "mha"}
+    assert plan.points[4].config.model.n_kv_heads == 1 and plan.points[4].config.model.position == "learned"
+    assert len(plan.trials) == 5 * 2
+
+
+def test_grid_design_is_the_cartesian_product_with_conditional_sub_grids(tmp_path):
+    spec, root = load_spec(write_spec(tmp_path, design="grid", axes={
+        "model.norm": ["layernorm", "rmsnorm"],
+        "span": {"global": {"model.window": None}, "local": {"model.window": 4}},
+        "window": {"field": "model.window", "values": [4, 8], "when": {"span": "local"}},
+    }))
+    plan = expand(spec, root)
+    # window only multiplies the local points: 2 norms x (global + local x 2 windows)
+    assert len(plan.points) == 2 * (1 + 2)
+    local = [p for p in plan.points if p.axes["span"] == "local"]
+    assert sorted(p.config.model.window for p in local) == [4, 4, 8, 8]
+    assert all(p.axes["window"] == "n/a" for p in plan.points if p.axes["span"] == "global")
+
+
+def test_the_same_point_has_the_same_hash_in_any_sweep_and_seeds_share_it(tmp_path):
+    a = expand(*load_spec(write_spec(tmp_path, name="a")))
+    b = expand(*load_spec(write_spec(tmp_path, name="b", axes={"model.norm_position": ["post", "pre"]})))
+    assert {p.point for p in a.points} == {p.point for p in b.points}
+    assert len({p.point for p in a.points}) == 2
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"axes": {"model.not_a_field": [1, 2]}}, "not a field of model"),
+    ({"axes": {"model.norm": ["rmsnorm", "foonorm"]}}, "foonorm"),
+    ({"axes": {"model.nsp": [False, True]}}, "nsp"),  # NSP on a decoder: an invalid combination
+    ({"axes": {"model.norm": []}}, "empty"),
+    ({"axes": {}}, "at least one axis"),
+    ({"seeds": []}, "at least one seed"),
+    ({"design": "random"}, "design"),
+    ({"axes": {"window": {"field": "model.window", "values": [4], "when": {"span": "local"}}}}, "not another axis"),
+    ({"exclude": [{"norm_position": "pre"}, {"norm_position": "post"}]}, "no points"),
+])
+def test_a_malformed_spec_fails_with_one_clear_error_before_anything_runs(tmp_path, fields, message):
+    path = write_spec(tmp_path, **fields)
+    with pytest.raises(SweepSpecError, match=message):
+        run_sweep(path, opts(tmp_path), say=lambda s: None)
+    assert not (tmp_path / "results").exists()
+
+
+def test_an_invalid_point_is_named_with_its_reason(tmp_path):
+    path = write_spec(tmp_path, axes={"model.norm_position": ["pre", "post"], "model.nsp": [False, True]})
+    with pytest.raises(SweepSpecError) as err:
+        run_sweep(path, opts(tmp_path), say=lambda s: None)
+    assert "nsp=true" in str(err.value) and "1 invalid point" in str(err.value)
+
+
+@pytest.mark.parametrize("url", ["mongodb://x/y", "sqlite://", "not a url", "journal:///"])
+def test_a_bad_storage_url_fails_before_anything_runs(tmp_path, url):
+    with pytest.raises(StorageError):
+        run_sweep(write_spec(tmp_path), opts(tmp_path, storage=url), say=lambda s: None)
+    assert not (tmp_path / "results").exists()
+
+
+def test_an_unreachable_storage_is_reported_without_its_password(tmp_path):
+    url = "postgresql://alice:hunter2-secret@127.0.0.1:1/nowhere"
+    with pytest.raises(StorageError) as err:
+        open_storage(url)
+    assert "hunter2-secret" not in str(err.value) and "***" in str(err.value)
+    assert redact(url) == "postgresql://alice:***@127.0.0.1:1/nowhere"
+
+
+# -- running ----------------------------------------------------------------------------------
+def test_a_sweep_runs_every_trial_once_and_a_second_run_runs_nothing(tmp_path):
+    path = write_spec(tmp_path)
+    out: list[str] = []
+    run_sweep(path, opts(tmp_path), say=out.append)
+    results = tmp_path / "results"
+    assert completions(results) and set(completions(results).values()) == {1}
+    df = pd.read_parquet(results / "t" / "results.parquet")
+    assert len(df) == 4 and set(df.status) == {"completed"}
+    assert {"axis.norm_position", "metric.valid_loss", "cost.parameters", "run_dir", "seed"} <= set(df.columns)
+    assert df.groupby("label")["metric.valid_loss"].mean().round(3).to_dict() == {"baseline": 2.005,
+                                                                                   "norm_position=post": 2.105}
+    out.clear()
+    run_sweep(path, opts(tmp_path), say=out.append)
+    assert any("is complete: nothing to run" in line for line in out)
+    assert set(completions(results).values()) == {1}
+
+
+def test_a_point_shared_with_an_earlier_sweep_is_not_trained_again(tmp_path):
+    run_sweep(write_spec(tmp_path, name="first", seeds=[0]), opts(tmp_path), say=lambda s: None)
+    out: list[str] = []
+    run_sweep(write_spec(tmp_path, name="second", seeds=[0], axes={"model.norm_position": ["pre", "post", "sandwich"]}),
+              opts(tmp_path), say=out.append)
+    assert any("2 found finished on disk" in line for line in out)
+    assert set(completions(tmp_path / "results").values()) == {1} and len(completions(tmp_path / "results")) == 3
+
+
+def test_a_diverging_point_is_a_result_and_a_failing_point_is_retried_then_reported(tmp_path):
+    path = write_spec(tmp_path, max_retries=1, seeds=[0], axes={
+        "model.d_model": [32, 24, 40],  # 24 always fails, 40 fails once then succeeds
+        "train.lr": [0.001, 5.0],  # 5.0 diverges (scripted)
+    })
+    final = run_sweep(path, opts(tmp_path), say=lambda s: None)
+    df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet").set_index(["label", "seed"])
+    assert set(df.loc["lr=5.0"].status) == {"diverged"} and set(df.loc["lr=5.0"].diverged_at_step) == {3}
+    assert set(df.loc["d_model=24"].status) == {"failed"}
+    assert "scripted failure" in df.loc["d_model=24"].error.iloc[0]
+    assert set(df.loc["d_model=24"].attempts) == {2}  # the first try and max_retries=1 retry
+    assert set(df.loc["d_model=40"].status) == {"completed"} and set(df.loc["d_model=40"].attempts) == {2}
+    assert set(df.loc["baseline"].status) == {"completed"}
+    assert final["failed"] == 1 and final["done"] == 3
+
+
+def test_a_sweep_killed_mid_trial_resumes_and_finishes_every_trial_exactly_once(tmp_path):
+    path = write_spec(tmp_path, axes={"model.norm_position": ["pre", "post"], "model.norm": ["layernorm", "rmsnorm"]},
+                      seeds=[0, 1])
+    cmd = [sys.executable, "-m", "study.cli", "sweep", str(path), "--results", str(tmp_path / "results"),
+           "--workers", "2", "--runner", FAKE]
+    env = {**os.environ, "STUDY_FAKE_SLEEP": "3"}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs = tmp_path / "results" / "runs"
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(runs.glob("*/seed-*/executions.log"))) < 2:
+        time.sleep(0.2)
+    assert len(list(runs.glob("*/seed-*/executions.log"))) >= 2, "no trial started"
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole sweep: driver, workers and trial processes
+    proc.wait()
+    time.sleep(0.5)
+    assert not completions(tmp_path / "results")  # killed before any trial finished
+
+    out: list[str] = []
+    run_sweep(path, opts(tmp_path, workers=2), say=out.append)
+    done = completions(tmp_path / "results")
+    assert len(done) == 6 and set(done.values()) == {1}
+    queue, keys = queue_for(tmp_path / "results" / "t")
+    assert sorted(complete_keys(queue)) == sorted(keys)  # each key completed exactly once
+    df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet")
+    assert set(df.status) == {"completed"}
+
+
+def _concurrent_commands(tmp_path: Path, spec: Path, storage: str, n: int = 4) -> list[subprocess.CompletedProcess]:
+    """n separate `study sweep` commands against one storage, as n machines would join."""
+    cmd = [sys.executable, "-m", "study.cli", "sweep", str(spec), "--results", str(tmp_path / "results"),
+           "--workers", "1", "--runner", FAKE, "--storage", storage]
+    env = {**os.environ, "STUDY_FAKE_SLEEP": "0.3"}
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(n)]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=240), p.stdout.read().decode()) for p in procs]
+
+
+def _assert_exactly_the_grid(tmp_path: Path, spec: Path, storage: str, password: str | None = None) -> None:
+    runs = _concurrent_commands(tmp_path, spec, storage)
+    failed = [r for r in runs if r.returncode != 0]
+    assert not failed, failed[0].stdout[-3000:]
+    done = completions(tmp_path / "results")
+    assert len(done) == 8 and set(done.values()) == {1}, done
+    queue, keys = queue_for(tmp_path / "results" / "t", storage)
+    assert sorted(complete_keys(queue)) == sorted(keys)
+    if password:
+        assert not any(password in r.stdout for r in runs)
+        for f in (tmp_path / "results").rglob("*"):
+            if f.is_file() and f.suffix in (".json", ".yaml", ".csv", ".log"):
+                assert password not in f.read_text(errors="replace"), f
+
+
+GRID = {"design": "grid", "axes": {"model.norm_position": ["pre", "post"], "model.norm": ["layernorm", "rmsnorm"],
+                                   "model.activation": ["gelu", "relu"]}, "seeds": [0]}
+
+
+def test_four_concurrent_workers_on_sqlite_run_exactly_the_grid(tmp_path):
+    _assert_exactly_the_grid(tmp_path, write_spec(tmp_path, **GRID), f"sqlite:///{tmp_path / 'q.db'}")
+
+
+def test_four_concurrent_workers_on_the_journal_file_run_exactly_the_grid(tmp_path):
+    _assert_exactly_the_grid(tmp_path, write_spec(tmp_path, **GRID), f"journal:///{tmp_path / 'q.log'}")
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    from postgres_server import postgres_or_skip
+
+    server = postgres_or_skip()
+    yield server
+    server.stop()
+
+
+def test_four_concurrent_workers_on_postgresql_run_exactly_the_grid_and_never_print_the_password(tmp_path, postgres):
+    url = postgres.new_database(password="pw-never-printed")
+    _assert_exactly_the_grid(tmp_path, write_spec(tmp_path, **GRID), url, password="pw-never-printed")
+    plan = read_json(tmp_path / "results" / "t" / "plan.json")
+    assert plan["storage"].startswith("postgresql://postgres:***@")
+
+
+def test_a_lost_trial_is_requeued_once_by_whichever_worker_notices(tmp_path):
+    path = write_spec(tmp_path, seeds=[0])
+    from study.sweep.runner import prepare
+
+    plan, layout, url = prepare(path, opts(tmp_path, dry_run=False), say=lambda s: None)
+    plan_data = read_json(layout.plan_path)
+    storage = open_storage(url)
+    a = TrialQueue(storage, "t", grace_s=5, heartbeat_s=1)
+    b = TrialQueue(open_storage(url), "t", grace_s=5, heartbeat_s=1)
+    a.sync(trial_specs(plan_data))
+    claimed = a.claim()
+    # the claim is a's and fresh: nobody reaps it
+    assert b.reap_lost() == 0
+    # its heartbeat stops (a was suspended or its machine died)
+    storage.set_trial_user_attr(claimed.trial_id, "heartbeat", time.time() - 60)
+    assert b.reap_lost() + a.reap_lost() == 1  # exactly one worker wins the re-queue
+    waiting = [t for t in b.trials() if t.state.name == "WAITING"]
+    assert [t.user_attrs["key"] for t in waiting].count(claimed.spec.key) == 1
+    assert [t.user_attrs["attempt"] for t in waiting if t.user_attrs["key"] == claimed.spec.key] == [2]
+    assert not a.still_mine(claimed)
+
+
+# -- with real training ---------------------------------------------------------------------
+@pytest.mark.realdata
+@pytest.mark.skipif(not DATA.is_dir(), reason="real benchmark data not found at ../shared/data")
+def test_a_real_sweep_trains_each_point_and_tabulates_metrics_and_cost(tmp_path):
+    base = {"model": {"preset": "llama2", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+                      "max_seq_len": 32},
+            "task": {"name": "lm", "dataset": "tinyshakespeare", "seq_len": 16, "eval_lengths": [1, 2],
+                     "eval_tokens": 2000},
+            "train": {"max_steps": 4, "batch_size": 4, "eval_every": 4, "eval_batches": 2, "warmup_steps": 1}}
+    path = write_spec(tmp_path, base=base, axes={"model.position": ["rope", "alibi"]}, seeds=[0])
+    run_sweep(path, SweepOptions(results=tmp_path / "results", data_dir=str(DATA), estimate_rate=1e11,
+                                 cache_dir=str(tmp_path / "cache"), poll_s=0.3), say=lambda s: None)
+    df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet")
+    assert list(df.status) == ["completed", "completed"], df.error.tolist()
+    assert df["metric.valid_loss"].notna().all() and df["metric.test_ppl_by_length.32"].notna().all()
+    assert (df["cost.parameters"] > 0).all() and (df["cost.kv_cache_bytes_per_token"] > 0).all()
+    assert df["env.torch"].notna().all() and df["data.fingerprint"].notna().all()
