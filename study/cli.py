@@ -45,9 +45,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from study.config.base import parse_overrides
     from study.sweep import StorageError, SweepOptions, SweepSpecError, run_sweep
 
+    import signal
+
+    # `kill PID` (and a batch scheduler's SIGTERM) stop the sweep like Ctrl-C: workers give their
+    # trials back to the queue instead of leaving them to the heartbeat timeout
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     opts = SweepOptions(results=args.results, storage=args.storage, workers=args.workers, threads=args.threads,
                         data_dir=args.data_dir, cache_dir=args.cache_dir, dry_run=args.dry_run,
-                        runner=args.runner)
+                        runner=args.runner, estimate_rate=args.peak_flops)
     try:
         overrides = parse_overrides(args.set or [])
         final = run_sweep(args.spec, opts, overrides=overrides)
@@ -142,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--cache-dir", help="tokenizer cache (default: $STUDY_CACHE_DIR or .cache/study)")
     sweep.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a spec field (seeds=[0]) or a base config field (train.max_steps=50)")
     sweep.add_argument("--dry-run", action="store_true", help="validate and print the plan; run nothing")
+    sweep.add_argument("--peak-flops", type=float, metavar="FLOP/S",
+                       help="for the plan's time estimate: the matmul rate of the machine that will run it "
+                            "(e.g. 9.9e14 for an H100 in bf16) instead of this machine's, measured")
     sweep.add_argument("--runner", default="study.run:run_experiment",
                        help="module:function(cfg, run_dir, data_dir, cache_dir) that runs one trial "
                             "(default: study.run:run_experiment)")

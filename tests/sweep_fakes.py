@@ -3,6 +3,7 @@ real, only the training is replaced by something fast and scripted by the config
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -27,7 +28,9 @@ def fake_run(cfg, run_dir, data_dir=None, cache_dir=None):
         raise RuntimeError("scripted transient failure (d_model=40)")
     atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
     diverged = cfg.train.lr >= 1
-    loss = 2.0 + 0.01 * cfg.train.seed + (0.1 if cfg.model.norm_position == "post" else 0.0)
+    # best at lr = 1e-3 (a bowl in log lr), worse for post-norm, a little noise by seed
+    loss = (2.0 + 0.01 * cfg.train.seed + (0.1 if cfg.model.norm_position == "post" else 0.0)
+            + 0.1 * (math.log10(cfg.train.lr) + 3) ** 2)
     metrics = {"status": "diverged" if diverged else "completed", "diverged_at_step": 3 if diverged else None,
                "steps": 3 if diverged else 10, "stopped_by": None, "train_tokens": 100,
                "metrics": {} if diverged else {"valid_loss": loss, "test_ppl_by_length": {"8": 7.0, "16": None}},

@@ -266,6 +266,37 @@ def test_four_concurrent_workers_on_postgresql_run_exactly_the_grid_and_never_pr
     assert plan["storage"].startswith("postgresql://postgres:***@")
 
 
+def test_tuning_mode_picks_each_points_best_setting_then_runs_its_seeds_with_it(tmp_path):
+    tune = {"field": "train.lr", "low": 1e-4, "high": 1e-1, "log": True, "trials": 4, "seed": 100}
+    path = write_spec(tmp_path, tune=tune, seeds=[0, 1])
+    run_sweep(path, opts(tmp_path, workers=2), say=lambda s: None)
+    sweep = tmp_path / "results" / "t"
+    tuned = read_json(sweep / "tuned.json")
+    assert len(tuned) == 2
+    for entry in tuned.values():
+        assert len(entry["trials"]) == 4
+        best = min((t for t in entry["trials"] if t["status"] == "completed"), key=lambda t: t["objective"])
+        assert entry["value"] == best["value"]
+    df = pd.read_parquet(sweep / "results.parquet")
+    assert list(df.status) == ["completed"] * 4
+    for _, row in df.iterrows():  # every compared seed trained with its point's chosen lr
+        cfg = yaml.safe_load(Path(row["run_dir"], "config.yaml").read_text())
+        assert cfg["train"]["lr"] == row["tuned.train.lr"] == tuned[row["point"]]["value"]
+        assert cfg["train"]["seed"] == row["seed"]
+    tuning = pd.read_csv(sweep / "tuning.csv")
+    assert len(tuning) == 8 and set(tuning.status) == {"completed"} and tuning.chosen.sum() == 2
+    out: list[str] = []
+    run_sweep(path, opts(tmp_path, workers=2), say=out.append)
+    assert any("is complete: nothing to run" in line for line in out)
+    assert set(completions(tmp_path / "results").values()) == {1}
+
+
+def test_tuning_on_a_compared_seed_is_refused(tmp_path):
+    path = write_spec(tmp_path, tune={"field": "train.lr", "low": 1e-4, "high": 1e-2, "seed": 0}, seeds=[0, 1])
+    with pytest.raises(SweepSpecError, match="tune.seed"):
+        run_sweep(path, opts(tmp_path), say=lambda s: None)
+
+
 def test_a_lost_trial_is_requeued_once_by_whichever_worker_notices(tmp_path):
     path = write_spec(tmp_path, seeds=[0])
     from study.sweep.runner import prepare
@@ -305,3 +336,34 @@ def test_a_real_sweep_trains_each_point_and_tabulates_metrics_and_cost(tmp_path)
     assert df["metric.valid_loss"].notna().all() and df["metric.test_ppl_by_length.32"].notna().all()
     assert (df["cost.parameters"] > 0).all() and (df["cost.kv_cache_bytes_per_token"] > 0).all()
     assert df["env.torch"].notna().all() and df["data.fingerprint"].notna().all()
+
+
+# -- the shipped specs ----------------------------------------------------------------------
+SHIPPED = sorted([REPO / "experiments" / "ablation_default.yaml", *(REPO / "experiments" / "sweeps").glob("*.yaml")])
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_spec_is_valid_and_its_readme_row_is_what_the_plan_computes(path):
+    import re
+
+    from study.sweep.plan import check, estimate
+
+    plan = expand(*load_spec(path))
+    check(plan)
+    flops = estimate(plan, rate_flops=1e12)["train_flops"]
+    row = next(line for line in (REPO / "README.md").read_text().splitlines()
+               if line.startswith(f"| `experiments/{path.relative_to(REPO / 'experiments')}`"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert int(cells[3]) == len(plan.trials)
+    number, unit = re.fullmatch(r"([\d.]+) ([TPE])FLOP", cells[4]).groups()
+    assert float(number) * {"T": 1e12, "P": 1e15, "E": 1e18}[unit] == pytest.approx(flops, rel=0.01)
+
+
+def test_the_default_sweep_answers_the_questions_the_issue_asks_with_three_seeds():
+    plan = expand(*load_spec(REPO / "experiments" / "ablation_default.yaml"))
+    axes = {a.name: a.labels for a in plan.axes}
+    assert axes["norm_position"] == ["pre", "post"] and axes["norm"] == ["rmsnorm", "layernorm"]
+    assert set(axes["position"]) == {"rope", "learned", "sinusoidal", "alibi", "t5_bias", "none"}
+    assert axes["attention"] == ["mha", "gqa", "mqa"] and axes["span"] == ["global", "local"]
+    assert len(plan.spec.seeds) >= 3
+    assert plan.points[0].config.task.eval_lengths == (1, 2, 4)  # the extrapolation evaluation

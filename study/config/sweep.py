@@ -35,6 +35,10 @@ from study.config.base import Config, Problems
 DESIGNS = ("ofat", "grid")
 DIRECTIONS = ("minimize", "maximize")
 SECTIONS = ("model", "task", "train")
+PRUNERS = ("none", "median")
+# the tuning trials train with a seed outside the compared ones, so that picking the best setting
+# on them does not flatter the seeds the report compares
+TUNE_DEFAULTS = {"log": True, "trials": 8, "seed": 1000, "pruner": "none", "sampler_seed": 0}
 NOT_APPLICABLE = "n/a"  # the label of a conditional axis at points where its condition does not hold
 
 
@@ -158,6 +162,12 @@ class SweepConfig(Config):
     grace_s: int = 60  # ...and is declared lost (its trial re-queued) after this long without a heartbeat
     workers: int = 1  # local worker processes (`--workers` overrides)
     cost_note: str = ""  # the expected cost as documented for the spec (shown in the plan)
+    # Optional tuning mode: before its seeds run, each point searches one numeric field (usually
+    # train.lr) with TPE, so variants are compared at their own best setting, e.g.
+    #   tune: {field: train.lr, low: 3.0e-4, high: 1.0e-2, log: true, trials: 8}
+    # Pruning (pruner: median) stops unpromising tuning trials early; it is off by default, and
+    # never applies to the seeds that are compared.
+    tune: dict = field(default_factory=dict)
 
     def _validate(self, p: Problems) -> None:
         p.check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), "name",
@@ -188,6 +198,7 @@ class SweepConfig(Config):
         p.check(self.grace_s > 2 * self.heartbeat_s, "grace_s",
                 f"must exceed twice heartbeat_s={self.heartbeat_s}, got {self.grace_s}")
         p.check(self.workers >= 1, "workers", f"must be >= 1, got {self.workers}")
+        self._validate_tune(p)
         axes = self.parsed_axes(p) if isinstance(self.axes, dict) else []
         names = [a.name for a in axes]
         for axis in axes:
@@ -209,6 +220,35 @@ class SweepConfig(Config):
                     p.add(f"exclude[{i}]", f"{axis_name!r} is not an axis; axes: {names}")
                 elif label_of(value) not in match[0].labels:
                     p.add(f"exclude[{i}]", f"{axis_name}={value!r} is not a value of that axis; values: {match[0].labels}")
+
+    def _validate_tune(self, p: Problems) -> None:
+        t = self.tune
+        if not t:
+            return
+        if not isinstance(t, dict):
+            p.add("tune", "must be {field, low, high, log, trials, seed, pruner} or empty")
+            return
+        unknown = sorted(set(t) - set(TUNE_DEFAULTS) - {"field", "low", "high"})
+        p.check(not unknown, "tune", f"unknown keys {unknown}; valid: field, low, high, {', '.join(TUNE_DEFAULTS)}")
+        problem = _known_field(str(t.get("field")))
+        p.check(problem is None, "tune.field", problem or "")
+        low, high = t.get("low"), t.get("high")
+        if p.check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high, "tune.low",
+                   f"tune needs numeric low < high, got low={low!r}, high={high!r}"):
+            p.check(not self.tune_settings["log"] or low > 0, "tune.low", "a log-scale search needs low > 0")
+        s = self.tune_settings
+        p.check(isinstance(s["trials"], int) and s["trials"] >= 2, "tune.trials", f"must be >= 2, got {s['trials']!r}")
+        p.choice("tune.pruner", s["pruner"], PRUNERS)
+        p.check(isinstance(s["seed"], int) and s["seed"] >= 0 and s["seed"] not in self.seeds, "tune.seed",
+                f"must be an integer >= 0 outside seeds={list(self.seeds)} (picking the best setting on a compared "
+                f"seed would flatter it), got {s['seed']!r}")
+        axes_fields = {f for a in self.parsed_axes() for v in a.values.values() for f in v}
+        p.check(t.get("field") not in axes_fields, "tune.field",
+                f"{t.get('field')} is also an axis; tune a field the axes do not set")
+
+    @property
+    def tune_settings(self) -> dict[str, Any]:
+        return {**TUNE_DEFAULTS, **(self.tune or {})}
 
     @property
     def metric(self) -> str:

@@ -77,6 +77,7 @@ class Plan:
             "excluded": self.excluded,
             "duplicates": [list(d) for d in self.duplicates],
             "spec": self.spec.to_dict(),
+            "tune": self.spec.tune_settings if self.spec.tune else {},
         }
 
 
@@ -253,15 +254,16 @@ def estimate(plan: Plan, rate_flops: float | None = None, workers: int = 1, thre
         model = c.model.replace(vocab_size=_planning_vocab(c))
         flops = flops_per_token(model, c.task.seq_len) * tokens_per_step * c.train.max_steps
         per_point.append(flops)
-    total = sum(per_point) * len(plan.spec.seeds)
+    runs_per_point = len(plan.spec.seeds) + (plan.spec.tune_settings["trials"] if plan.spec.tune else 0)
+    total = sum(per_point) * runs_per_point
     rate = rate_flops if rate_flops is not None else matmul_rate_flops(threads)
     seconds = []
     for p, flops in zip(plan.points, per_point):
-        s = flops / (rate * ASSUMED_UTILISATION)
+        s = flops / (rate * ASSUMED_UTILISATION * max(1, p.config.train.devices))  # DDP: devices share a trial
         if p.config.train.max_time_s:
             s = min(s, p.config.train.max_time_s)
         seconds.append(s + TRIAL_OVERHEAD_S)
-    wall = sum(seconds) * len(plan.spec.seeds) / max(1, workers)
+    wall = sum(seconds) * runs_per_point / max(1, workers)
     return {"train_flops": total, "matmul_flops_per_s": rate, "assumed_utilisation": ASSUMED_UTILISATION,
             "estimated_wall_s": wall, "workers": workers}
 
@@ -271,6 +273,11 @@ def describe(plan: Plan, cost: dict[str, Any] | None = None) -> str:
     s = plan.spec
     lines = [f"sweep {s.name!r}: design={s.design}, {len(plan.points)} point(s) x {len(s.seeds)} seed(s) "
              f"= {len(plan.trials)} trial(s); objective {s.direction} {s.metric}"]
+    if s.tune:
+        t = s.tune_settings
+        lines.append(f"  tuning mode: before its seeds, each point searches {t['field']} in [{t['low']}, {t['high']}]"
+                     f"{' (log scale)' if t['log'] else ''} with TPE over {t['trials']} trials (seed {t['seed']}, "
+                     f"pruner {t['pruner']}): {len(plan.points) * t['trials']} more trial(s)")
     for a in plan.axes:
         cond = f" (only where {', '.join(f'{k} in {list(v)}' for k, v in a.when.items())})" if a.when else ""
         lines.append(f"  axis {a.name}: {', '.join(a.labels)}{cond}")
@@ -281,12 +288,21 @@ def describe(plan: Plan, cost: dict[str, Any] | None = None) -> str:
     for label, same in plan.duplicates:
         lines.append(f"  skipped {label}: the same config as {same}")
     if cost:
-        lines.append(f"  cost: {cost['train_flops'] / 1e12:.1f} TFLOP of training; at {cost['matmul_flops_per_s'] / 1e9:.0f} "
-                     f"GFLOP/s matmul x {cost['assumed_utilisation']:.0%} utilisation (an assumption) and "
-                     f"{cost['workers']} worker(s): about {cost['estimated_wall_s'] / 60:.0f} min")
+        hours = cost["estimated_wall_s"] / 3600
+        lines.append(f"  cost: {_si(cost['train_flops'])}FLOP of training; at {_si(cost['matmul_flops_per_s'])}FLOP/s "
+                     f"matmul x {cost['assumed_utilisation']:.0%} utilisation (an assumption) and "
+                     f"{cost['workers']} worker(s): about "
+                     + (f"{hours * 60:.0f} min" if hours < 2 else f"{hours:.1f} h"))
     if s.cost_note:
         lines.append(f"  documented cost: {s.cost_note}")
     return "\n".join(lines)
+
+
+def _si(x: float) -> str:
+    for factor, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if x >= factor:
+            return f"{x / factor:.1f} {prefix}"
+    return f"{x:.0f} "
 
 
 def default_threads(workers: int) -> int:

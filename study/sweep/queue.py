@@ -40,6 +40,19 @@ class TrialSpec:
     point: str
     seed: int
     label: str
+    kind: str = "seed"  # 'seed': a trial the report compares; 'tune': a tuning-mode search trial
+    config_point: str | None = None  # the config it runs when not the point's own (a tuned point)
+
+    def attrs(self) -> dict[str, Any]:
+        out = {"key": self.key, "point": self.point, "seed": self.seed, "label": self.label, "kind": self.kind}
+        if self.config_point:
+            out["config_point"] = self.config_point
+        return out
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> "TrialSpec":
+        return cls(key=attrs["key"], point=attrs["point"], seed=int(attrs["seed"]), label=attrs.get("label", ""),
+                   kind=attrs.get("kind", "seed"), config_point=attrs.get("config_point"))
 
 
 @dataclass
@@ -109,6 +122,12 @@ class TrialQueue:
 
     # -- enqueueing -----------------------------------------------------------------------
     @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """The sweep-wide lock (re-entrant in neither sense: do not nest)."""
+        with self._enqueue_lock():
+            yield
+
+    @contextlib.contextmanager
     def _enqueue_lock(self) -> Iterator[None]:
         from optuna.exceptions import DuplicatedStudyError
         from optuna.study import StudyDirection
@@ -140,26 +159,31 @@ class TrialQueue:
         value: those are recorded as COMPLETE without running (the storage rebuilt from the files).
         With retry_failed=False (a worker topping up at the end) only keys whose every trial was
         dropped as a duplicate are enqueued, never a key that failed for good."""
+        with self._enqueue_lock():
+            return self.sync_locked(specs, finished, retry_failed)
+
+    def sync_locked(self, specs: list[TrialSpec], finished: dict[str, float | None] | None = None,
+                    retry_failed: bool = True) -> dict[str, int]:
+        """`sync` for a caller that holds `lock()`."""
         finished = finished or {}
         added = {"enqueued": 0, "recorded": 0}
-        with self._enqueue_lock():
-            groups = self.by_key()
-            for spec in specs:
-                trials = groups.get(spec.key, [])
-                if any(t.state in ACTIVE for t in trials):
-                    continue
-                if not retry_failed and any(t.state == TrialState.FAIL for t in trials):
-                    continue
-                attrs = {"key": spec.key, "point": spec.point, "seed": spec.seed, "label": spec.label}
-                if spec.key in finished:
-                    value = finished[spec.key]
-                    self.study.add_trial(optuna.trial.create_trial(
-                        state=TrialState.COMPLETE, value=self._storable(value),
-                        user_attrs={**attrs, "from_files": True}))
-                    added["recorded"] += 1
-                else:
-                    self.study.enqueue_trial({}, user_attrs={**attrs, "attempt": 1})
-                    added["enqueued"] += 1
+        groups = self.by_key()
+        for spec in specs:
+            trials = groups.get(spec.key, [])
+            if any(t.state in ACTIVE for t in trials):
+                continue
+            if not retry_failed and any(t.state == TrialState.FAIL for t in trials):
+                continue
+            attrs = spec.attrs()
+            if spec.key in finished:
+                value = finished[spec.key]
+                self.study.add_trial(optuna.trial.create_trial(
+                    state=TrialState.COMPLETE, value=self._storable(value),
+                    user_attrs={**attrs, "from_files": True}))
+                added["recorded"] += 1
+            else:
+                self.study.enqueue_trial({}, user_attrs={**attrs, "attempt": 1})
+                added["enqueued"] += 1
         return added
 
     def _storable(self, value: float | None) -> float:
@@ -168,13 +192,17 @@ class TrialQueue:
             return math.inf if self.direction == "minimize" else -math.inf
         return float(value)
 
-    def _requeue(self, trial: optuna.trial.FrozenTrial, reason: str) -> bool:
+    def _requeue(self, trial: optuna.trial.FrozenTrial, reason: str, counts: bool = True) -> bool:
+        """Queue a trial again, as its next attempt (or the same attempt when `counts` is False: a
+        worker that was stopped did not fail)."""
         attempt = int(trial.user_attrs.get("attempt", 1))
-        if attempt > self.max_retries:
+        if not counts:
+            attempt -= 1
+        elif attempt > self.max_retries:
             log.warning("trial %s (%s) failed %d time(s): %s; not retried again in this run",
                         trial.number, trial.user_attrs.get("label"), attempt, reason)
             return False
-        attrs = {k: trial.user_attrs[k] for k in ("key", "point", "seed", "label") if k in trial.user_attrs}
+        attrs = TrialSpec.from_attrs(trial.user_attrs).attrs()
         self.study.enqueue_trial({}, user_attrs={**attrs, "attempt": attempt + 1, "retry_of": trial.number,
                                                   "retry_reason": reason})
         log.warning("re-queued %s (attempt %d): %s", trial.user_attrs.get("label"), attempt + 1, reason)
@@ -211,8 +239,7 @@ class TrialQueue:
                     continue
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue
-            spec = TrialSpec(key=t.user_attrs["key"], point=t.user_attrs["point"], seed=int(t.user_attrs["seed"]),
-                             label=t.user_attrs.get("label", ""))
+            spec = TrialSpec.from_attrs(t.user_attrs)
             claimed = Claimed(trial_id=t._trial_id, number=t.number, spec=spec, attempt=int(t.user_attrs.get("attempt", 1)))
             self.storage.set_trial_user_attr(t._trial_id, "worker", self.worker)
             self.beat(claimed)
@@ -260,4 +287,4 @@ class TrialQueue:
         """Give a claimed trial back (this worker is stopping): fail it and re-queue it."""
         with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
             if self.storage.set_trial_state_values(claimed.trial_id, state=TrialState.FAIL):
-                self._requeue(self.storage.get_trial(claimed.trial_id), reason)
+                self._requeue(self.storage.get_trial(claimed.trial_id), reason, counts=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from study.io import atomic_write, read_json
-from study.sweep.worker import SweepLayout
+from study.sweep.worker import SweepLayout, read_tuned
 
 STATUSES = ("completed", "diverged", "failed", "running", "pending")
 
@@ -93,7 +93,20 @@ def build_table(sweep_dir: str | Path):
 
     layout = SweepLayout(Path(sweep_dir))
     plan = read_json(layout.plan_path)
-    rows = [trial_row(plan["sweep"], p, s, layout.run_dir(p["point"], s)) for p in plan["points"] for s in plan["seeds"]]
+    tuned = read_tuned(layout)
+    rows = []
+    for p in plan["points"]:
+        chosen = tuned.get(p["point"], {})
+        for s in plan["seeds"]:
+            if plan.get("tune"):  # tuning mode: the seeds ran the point's tuned config (once tuning picked it)
+                run_dir = layout.run_dir(chosen["point"], s) if chosen.get("point") else layout.run_dir("untuned", s)
+                row = trial_row(plan["sweep"], p, s, run_dir)
+                row[f"tuned.{plan['tune']['field']}"] = chosen.get("value")
+                if chosen.get("error") and row["status"] == "pending":
+                    row.update(status="failed", error=chosen["error"])
+            else:
+                row = trial_row(plan["sweep"], p, s, layout.run_dir(p["point"], s))
+            rows.append(row)
     df = pd.DataFrame(rows)
     first = [c for c in df.columns if not c.startswith(("metric.", "cost.", "env.", "data."))]
     rest = sorted(c for c in df.columns if c not in first)
@@ -105,11 +118,32 @@ def write_table(sweep_dir: str | Path):
     sweep_dir = Path(sweep_dir)
     df = build_table(sweep_dir)
     atomic_write(sweep_dir / "results.csv", lambda p: df.to_csv(p, index=False))
+    tuning = tuning_table(sweep_dir)
+    if tuning is not None:
+        atomic_write(sweep_dir / "tuning.csv", lambda p: tuning.to_csv(p, index=False))
     try:
         atomic_write(sweep_dir / "results.parquet", lambda p: df.to_parquet(p, index=False))
     except ImportError:  # pyarrow is a dependency; a stripped install still gets the CSV
         pass
     return df
+
+
+def tuning_table(sweep_dir: str | Path):
+    """One row per tuning trial (tuning mode only): point, label, the setting tried, its objective."""
+    import pandas as pd
+
+    layout = SweepLayout(Path(sweep_dir))
+    plan = read_json(layout.plan_path)
+    if not plan.get("tune"):
+        return None
+    labels = {p["point"]: p["label"] for p in plan["points"]}
+    rows = []
+    for point, entry in read_tuned(layout).items():
+        for t in entry.get("trials", []):
+            rows.append({"point": point, "label": labels.get(point), "field": entry["field"], "value": t["value"],
+                         "objective": t["objective"], "status": t["status"], "chosen": t["value"] == entry.get("value"),
+                         "run_dir": t["run_dir"]})
+    return pd.DataFrame(rows, columns=["point", "label", "field", "value", "objective", "status", "chosen", "run_dir"])
 
 
 def summary(df, metric: str) -> str:

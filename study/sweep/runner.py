@@ -29,8 +29,9 @@ from study.io import atomic_write_json, atomic_write_text, read_json
 from study.sweep import plan as planning
 from study.sweep.storage import default_url, open_storage, redact, validate_url
 from study.sweep.trial import DEFAULT_RUNNER
-from study.sweep.worker import (STORAGE_ENV, SweepLayout, WorkerOptions, _die_with_parent, finished_run,
-                                objective_value, open_queue, run_worker, trial_specs)
+from study.sweep.worker import (STORAGE_ENV, SweepLayout, WorkerOptions, _die_with_parent, all_keys, finished_run,
+                                objective_value, open_queue, read_tuned, run_worker, settle_tuning_locked,
+                                trial_specs)
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +88,19 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     started = time.time()
     plan_data = read_json(layout.plan_path)
     queue = open_queue(plan_data, url)
-    specs = trial_specs(plan_data)
-    keys = [s.key for s in specs]
+    specs = trial_specs(plan_data, read_tuned(layout))
+    keys = all_keys(plan_data)
     finished = {}
     for s in specs:
-        metrics = finished_run(layout.run_dir(s.point, s.seed))
+        if s.kind != "seed":  # a tuning trial's config is sampled when it starts: nothing to find on disk
+            continue
+        metrics = finished_run(layout.run_dir(s.config_point or s.point, s.seed))
         if metrics is not None:
             finished[s.key] = objective_value(metrics, plan.spec.metric)
-    added = queue.sync(specs, finished, retry_failed=True)
+    with queue.lock():
+        added = queue.sync_locked(specs, finished, retry_failed=True)
+        if plan_data.get("tune"):  # tuning that ended while no worker could settle it (a kill)
+            settle_tuning_locked(queue, layout, plan_data, [p["point"] for p in plan_data["points"]])
     counts = queue.counts(keys)
     say(f"storage {redact(url)}: {counts['done']}/{len(keys)} trials done, {counts['running']} running, "
         f"{counts['queued']} queued ({added['enqueued']} newly queued, {added['recorded']} found finished on disk)")
@@ -163,16 +169,20 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> str:
     if not layout.plan_path.is_file():
         raise FileNotFoundError(f"{layout.sweep_dir} holds no sweep (no plan.json); run `study sweep SPEC` first")
     plan = read_json(layout.plan_path)
-    specs = trial_specs(plan)
+    tuned = read_tuned(layout)
+    specs = [s for s in trial_specs(plan, tuned) if s.kind == "seed"]
+    keys = all_keys(plan)
     url = storage or default_url(layout.sweep_dir)
-    lines = [f"sweep {plan['sweep']!r}: {len(plan['points'])} points x {len(plan['seeds'])} seeds = {len(specs)} trials"]
+    lines = [f"sweep {plan['sweep']!r}: {len(plan['points'])} points x {len(plan['seeds'])} seeds"
+             + (f" (+ {len(keys) - len(plan['points']) * len(plan['seeds'])} tuning trials)" if plan.get("tune") else "")
+             + f" = {len(keys)} trials"]
     try:
-        counts = open_queue(plan, url).counts([s.key for s in specs])
+        counts = open_queue(plan, url).counts(keys)
         lines.append(f"queue ({redact(url)}): " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     except Exception as err:  # status still reports the files when the queue is unreachable
         lines.append(f"queue ({redact(url)}) unavailable: {redact(str(err)).splitlines()[0]}")
-    on_disk = sum(finished_run(layout.run_dir(s.point, s.seed)) is not None for s in specs)
-    lines.append(f"finished run directories: {on_disk}/{len(specs)}")
+    on_disk = sum(finished_run(layout.run_dir(s.config_point or s.point, s.seed)) is not None for s in specs)
+    lines.append(f"finished seed-trial run directories: {on_disk}/{len(plan['points']) * len(plan['seeds'])}")
     return "\n".join(lines)
 
 

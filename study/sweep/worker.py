@@ -60,9 +60,38 @@ class SweepLayout:
         return self.sweep_dir / "plan.json"
 
 
-def trial_specs(plan: dict[str, Any]) -> list[TrialSpec]:
-    return [TrialSpec(key=f"{p['point']}-s{s}", point=p["point"], seed=s, label=p["label"])
-            for p in plan["points"] for s in plan["seeds"]]
+def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> list[TrialSpec]:
+    """Every trial the plan asks for. In tuning mode: each point's tuning trials, and its seed
+    trials once its tuning has picked a setting (`tuned`, from tuned.json)."""
+    tune = plan.get("tune") or {}
+    specs: list[TrialSpec] = []
+    for p in plan["points"]:
+        point, label = p["point"], p["label"]
+        if not tune:
+            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label) for s in plan["seeds"]]
+            continue
+        specs += [TrialSpec(key=f"{point}-tune{i}", point=point, seed=tune["seed"], label=label, kind="tune")
+                  for i in range(tune["trials"])]
+        chosen = (tuned or {}).get(point, {}).get("point")
+        if chosen:
+            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, config_point=chosen)
+                      for s in plan["seeds"]]
+    return specs
+
+
+def all_keys(plan: dict[str, Any]) -> list[str]:
+    """Every key the sweep will have when done (seed trials of tuned points included)."""
+    tune = plan.get("tune") or {}
+    keys = []
+    for p in plan["points"]:
+        keys += [f"{p['point']}-tune{i}" for i in range(tune.get("trials", 0))]
+        keys += [f"{p['point']}-s{s}" for s in plan["seeds"]]
+    return keys
+
+
+def read_tuned(layout: "SweepLayout") -> dict[str, Any]:
+    path = layout.sweep_dir / "tuned.json"
+    return read_json(path) if path.is_file() else {}
 
 
 def finished_run(run_dir: Path) -> dict[str, Any] | None:
@@ -123,18 +152,118 @@ class TrialLost(Exception):
     """Another worker declared this worker's trial lost and re-queued it."""
 
 
-def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, metric: str, opts: WorkerOptions,
-              sweep: str) -> str:
+def _tune_study(queue: TrialQueue, plan: dict[str, Any], point: str, index: int = 0):
+    """The per-point Optuna study whose TPE sampler proposes that point's tuning settings. The
+    sampler is seeded per tuning trial (`index`), not per worker: workers that start together
+    would otherwise draw the same first settings."""
+    import optuna
+
+    tune = plan["tune"]
+    return optuna.create_study(
+        study_name=f"{plan['sweep']}~tune~{point}", storage=queue.storage, direction=queue.direction,
+        sampler=optuna.samplers.TPESampler(seed=tune["sampler_seed"] * 10007 + index,
+                                           n_startup_trials=max(2, tune["trials"] // 3)),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=2) if tune["pruner"] == "median" else optuna.pruners.NopPruner(),
+        load_if_exists=True)
+
+
+def _start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed):
+    """Ask TPE for this tuning trial's setting; write the config it runs. Returns (config point, tune trial)."""
+    from study.config import ExperimentConfig
+    from study.config.experiment import set_fields
+    from study.io import atomic_write_text
+    from study.sweep.plan import point_hash
+
+    tune = plan["tune"]
+    index = int(claimed.spec.key.rsplit("-tune", 1)[1])
+    study = _tune_study(queue, plan, claimed.spec.point, index)
+    trial = study.ask()
+    value = trial.suggest_float(tune["field"], tune["low"], tune["high"], log=tune["log"])
+    base = ExperimentConfig.from_yaml(layout.point_config(claimed.spec.point))
+    cfg = ExperimentConfig.from_dict(set_fields(base.to_dict(), {tune["field"]: value}))
+    digest = point_hash(cfg)
+    atomic_write_text(layout.point_config(digest), cfg.replace(name=f"point-{digest}").to_yaml())
+    queue.storage.set_trial_user_attr(claimed.trial_id, "config_point", digest)
+    queue.storage.set_trial_user_attr(claimed.trial_id, "tuned_value", value)
+    return digest, study, trial
+
+
+def _finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,
+                         study, trial, config_point: str, status: str, value: float | None) -> None:
+    """Tell TPE the outcome, record it in tuned.json, and settle the point if its tuning is over."""
+    import math
+
+    from optuna.trial import TrialState
+
+    ok = status == "completed" and value is not None and math.isfinite(value)
+    study.tell(trial, value if ok else None, state=TrialState.COMPLETE if ok else TrialState.FAIL)
+    tune = plan["tune"]
+    point = claimed.spec.point
+    with queue.lock():
+        tuned = read_tuned(layout)
+        entry = tuned.setdefault(point, {"field": tune["field"], "trials": []})
+        entry["trials"].append({"key": claimed.spec.key, "value": trial.params.get(tune["field"]), "status": status,
+                                "objective": value, "config_point": config_point,
+                                "run_dir": str(layout.run_dir(config_point, claimed.spec.seed))})
+        atomic_write_json(layout.sweep_dir / "tuned.json", tuned)
+        settle_tuning_locked(queue, layout, plan, [point])
+
+
+def settle_tuning_locked(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], points: list[str]) -> None:
+    """For each point whose tuning trials are all over: pick the best setting (once) and queue the
+    point's seed trials with it. The caller holds `queue.lock()`, so this happens exactly once."""
+    from optuna.trial import TrialState
+
+    tune = plan["tune"]
+    tuned = read_tuned(layout)
+    groups = queue.by_key()
+    changed = False
+    for point in points:
+        keys = [f"{point}-tune{i}" for i in range(tune["trials"])]
+        settled = all(any(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in groups.get(k, []))
+                      and not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in groups.get(k, []))
+                      for k in keys)
+        entry = tuned.get(point)
+        if not settled or entry is None:
+            continue
+        if not entry.get("point") and not entry.get("error"):
+            study = _tune_study(queue, plan, point)
+            finished = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+            best = (min if queue.direction == "minimize" else max)(finished, key=lambda t: t.value) if finished else None
+            chosen = best and next((t for t in entry["trials"] if t["status"] == "completed"
+                                    and t["value"] == best.params[tune["field"]]), None)
+            if chosen:
+                entry.update(value=chosen["value"], objective=best.value, point=chosen["config_point"])
+            else:
+                entry["error"] = "no tuning trial finished; the point's seeds cannot run"
+            changed = True
+        if entry.get("point"):
+            specs = [s for s in trial_specs(plan, tuned) if s.point == point and s.kind == "seed"]
+            done = {s.key: objective_value(m, plan["objective"]["metric"]) for s in specs
+                    if (m := finished_run(layout.run_dir(entry["point"], s.seed))) is not None}
+            queue.sync_locked(specs, done)
+    if changed:
+        atomic_write_json(layout.sweep_dir / "tuned.json", tuned)
+
+
+def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any],
+              opts: WorkerOptions) -> str:
     """Run one claimed trial in a subprocess; returns completed, diverged, failed or lost."""
     import optuna
 
+    sweep, metric = plan["sweep"], plan["objective"]["metric"]
     spec = claimed.spec
-    run_dir = layout.run_dir(spec.point, spec.seed)
+    tuning = None
+    config_point = spec.config_point or spec.point
+    if spec.kind == "tune":
+        config_point, study, tune_trial = _start_tuning(queue, layout, plan, claimed)
+        tuning = (study, tune_trial)
+    run_dir = layout.run_dir(config_point, spec.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     attempt = {"id": f"{sweep}#{claimed.number}", "trial": claimed.number, "attempt": claimed.attempt,
-               "worker": queue.worker, "started": time.time()}
+               "worker": queue.worker, "started": time.time(), "kind": spec.kind}
     _record_attempt(run_dir, spec, sweep, attempt)
-    cmd = [sys.executable, "-m", "study.sweep.trial", "--config", str(layout.point_config(spec.point)),
+    cmd = [sys.executable, "-m", "study.sweep.trial", "--config", str(layout.point_config(config_point)),
            "--seed", str(spec.seed), "--run-dir", str(run_dir), "--runner", opts.runner]
     if opts.data_dir:
         cmd += ["--data-dir", str(opts.data_dir)]
@@ -164,6 +293,8 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, metric: 
             child.wait()
             attempt.update(ended=time.time(), outcome="lost")
             _record_attempt(run_dir, spec, sweep, attempt)
+            if tuning:
+                tuning[0].tell(tuning[1], state=optuna.trial.TrialState.FAIL)
             return "lost"
         except BaseException:  # Ctrl-C or SIGTERM: stop the child, give the trial back
             child.kill()
@@ -171,46 +302,53 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, metric: 
             attempt.update(ended=time.time(), outcome="interrupted")
             _record_attempt(run_dir, spec, sweep, attempt)
             queue.release(claimed, "worker interrupted")
+            if tuning:
+                tuning[0].tell(tuning[1], state=optuna.trial.TrialState.FAIL)
             raise
     metrics = finished_run(run_dir)
     attempt.update(ended=time.time(), returncode=rc)
     if rc == 0 and metrics is not None:
         attempt["outcome"] = metrics["status"]
         _record_attempt(run_dir, spec, sweep, attempt)
-        queue.finish(claimed, metrics["status"], objective_value(metrics, metric),
+        value = objective_value(metrics, metric)
+        queue.finish(claimed, metrics["status"], value,
                      {"run_dir": str(run_dir), "steps": metrics.get("steps"),
                       "diverged_at_step": metrics.get("diverged_at_step")})
+        if tuning:
+            _finish_tuning_trial(queue, layout, plan, claimed, *tuning, config_point, metrics["status"], value)
         return metrics["status"]
     error = _log_tail(log_path) or f"exit code {rc}"
     if rc == 0:
         error += "\n(the trial exited without writing a finished metrics.json)"
     attempt.update(outcome="failed", error=error.splitlines()[-1] if error else "")
     _record_attempt(run_dir, spec, sweep, attempt)
-    queue.fail(claimed, error)
+    requeued = queue.fail(claimed, error)
+    if tuning:
+        tuning[0].tell(tuning[1], state=optuna.trial.TrialState.FAIL)
+        if not requeued:  # this tuning trial failed for good: the point's tuning may now be settled
+            _finish_tuning_trial(queue, layout, plan, claimed, *tuning, config_point, "failed", None)
     return "failed"
 
 
 def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> WorkerSummary:
     """Drain the queue. Stays while other workers' trials run, since a lost one comes back."""
     plan = read_json(layout.plan_path)
-    specs = trial_specs(plan)
-    keys = [s.key for s in specs]
-    metric = plan["objective"]["metric"]
     summary = WorkerSummary()
     while opts.max_trials is None or len(summary.ran) < opts.max_trials:
         queue.reap_lost()
         claimed = queue.claim()
         if claimed is None:
-            counts = queue.counts(keys)
+            specs = trial_specs(plan, read_tuned(layout))
+            counts = queue.counts([s.key for s in specs])
             if counts["running"] or counts["queued"]:
                 time.sleep(opts.poll_s)
                 continue
             if queue.sync(specs, retry_failed=False)["enqueued"]:  # keys dropped in a duplicate race
                 continue
             break
-        log.info("%s: trial %d %s seed %d (attempt %d)", queue.worker, claimed.number, claimed.spec.label,
-                 claimed.spec.seed, claimed.attempt)
-        outcome = run_trial(queue, layout, claimed, metric, opts, plan["sweep"])
+        log.info("%s: trial %d %s %s seed %d (attempt %d)", queue.worker, claimed.number, claimed.spec.label,
+                 claimed.spec.kind, claimed.spec.seed, claimed.attempt)
+        outcome = run_trial(queue, layout, claimed, plan, opts)
         log.info("%s: trial %d %s seed %d: %s", queue.worker, claimed.number, claimed.spec.label,
                  claimed.spec.seed, outcome)
         summary.ran.append(claimed.spec.key)
