@@ -26,6 +26,14 @@ def fake_run(cfg, run_dir, data_dir=None, cache_dir=None):
     if cfg.model.d_model == 40 and not first_try.exists():
         first_try.write_text("")
         raise RuntimeError("scripted transient failure (d_model=40)")
+    if os.environ.get("STUDY_FAKE_CURVE"):  # a validation curve, logged as Lightning's CSV logger does
+        (run_dir / "logs").mkdir(exist_ok=True)
+        with open(run_dir / "logs" / "metrics.csv", "w") as f:
+            f.write("step,val/loss\n")
+            for step in range(1, 5):
+                f.write(f"{step},{2.0 + 0.3 * abs(math.log10(cfg.train.lr) + 3) + 1.0 / step}\n")
+                f.flush()
+                time.sleep(0.5)
     atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
     diverged = cfg.train.lr >= 1
     # best at lr = 1e-3 (a bowl in log lr), worse for post-norm, a little noise by seed

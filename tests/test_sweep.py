@@ -291,6 +291,45 @@ def test_tuning_mode_picks_each_points_best_setting_then_runs_its_seeds_with_it(
     assert set(completions(tmp_path / "results").values()) == {1}
 
 
+def test_the_pruning_monitor_stops_a_tuning_trial_whose_logged_loss_is_worse_than_the_median(tmp_path):
+    import optuna
+
+    from study.sweep.worker import PruningMonitor
+
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
+    for curve in ([3.0, 2.5], [2.8, 2.4]):  # two finished trials
+        t = study.ask()
+        for step, v in enumerate(curve, start=1):
+            t.report(v, step)
+        study.tell(t, curve[-1])
+
+    def monitor_for(values: list[float]) -> PruningMonitor:
+        run_dir = tmp_path / f"run{len(values)}{values[0]}"
+        (run_dir / "logs").mkdir(parents=True)
+        rows = "".join(f"{step},,{v}\n" for step, v in enumerate(values, start=1))
+        (run_dir / "logs" / "metrics.csv").write_text("step,train/loss,val/loss\n" + rows + "3,2.1,\n")
+        return PruningMonitor(study.ask(), run_dir)
+
+    assert monitor_for([3.5, 3.4]).should_prune()  # worse than both at step 2
+    good = monitor_for([2.7, 2.2])
+    assert not good.should_prune() and good.reported == {1, 2} and good.last == 2.2
+    assert not PruningMonitor(study.ask(), tmp_path / "no-log-yet").should_prune()
+
+
+def test_tuning_with_median_pruning_settles_every_point_and_runs_its_seeds(tmp_path, monkeypatch):
+    monkeypatch.setenv("STUDY_FAKE_CURVE", "1")
+    tune = {"field": "train.lr", "low": 1e-5, "high": 1e-1, "trials": 5, "seed": 100, "pruner": "median"}
+    path = write_spec(tmp_path, tune=tune, seeds=[0], axes={"model.norm_position": ["pre"]})
+    run_sweep(path, opts(tmp_path), say=lambda s: None)
+    tuned = read_json(tmp_path / "results" / "t" / "tuned.json")
+    (entry,) = tuned.values()
+    statuses = [t["status"] for t in entry["trials"]]
+    assert len(statuses) == 5 and set(statuses) <= {"completed", "pruned"}
+    assert entry["value"] in [t["value"] for t in entry["trials"] if t["status"] == "completed"]
+    df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet")
+    assert list(df.status) == ["completed"]
+
+
 def test_tuning_on_a_compared_seed_is_refused(tmp_path):
     path = write_spec(tmp_path, tune={"field": "train.lr", "low": 1e-4, "high": 1e-2, "seed": 0}, seeds=[0, 1])
     with pytest.raises(SweepSpecError, match="tune.seed"):

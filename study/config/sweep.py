@@ -238,7 +238,10 @@ class SweepConfig(Config):
             p.check(not self.tune_settings["log"] or low > 0, "tune.low", "a log-scale search needs low > 0")
         s = self.tune_settings
         p.check(isinstance(s["trials"], int) and s["trials"] >= 2, "tune.trials", f"must be >= 2, got {s['trials']!r}")
-        p.choice("tune.pruner", s["pruner"], PRUNERS)
+        if p.choice("tune.pruner", s["pruner"], PRUNERS) and s["pruner"] != "none":
+            # the pruner compares the validation loss the trials log as they train: a loss, minimised
+            p.check(self.direction == "minimize", "tune.pruner",
+                    "pruning judges the logged validation loss, so it needs objective.direction: minimize")
         p.check(isinstance(s["seed"], int) and s["seed"] >= 0 and s["seed"] not in self.seeds, "tune.seed",
                 f"must be an integer >= 0 outside seeds={list(self.seeds)} (picking the best setting on a compared "
                 f"seed would flatter it), got {s['seed']!r}")

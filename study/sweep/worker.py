@@ -152,6 +152,47 @@ class TrialLost(Exception):
     """Another worker declared this worker's trial lost and re-queued it."""
 
 
+class TrialPruned(Exception):
+    """The tuning pruner stopped this tuning trial early."""
+
+
+class PruningMonitor:
+    """Median pruning of tuning trials (Optuna's MedianPruner), fed from the trial's own CSV log.
+
+    The trial process never holds the storage URL (it may carry a password), so instead of a
+    pruning callback inside the trial, the worker reads the validation losses the trial logs
+    (`logs/metrics.csv`, column `val/loss`, flushed at every logged step), reports each new one
+    to the tuning trial, and stops the trial when the pruner says so."""
+
+    COLUMN = "val/loss"
+
+    def __init__(self, trial, run_dir: Path) -> None:
+        self.trial = trial
+        self.path = run_dir / "logs" / "metrics.csv"
+        self.reported: set[int] = set()
+        self.last: float | None = None
+
+    def should_prune(self) -> bool:
+        import csv
+
+        try:
+            with open(self.path, newline="") as f:
+                rows = list(csv.DictReader(f))
+        except OSError:
+            return False
+        for row in rows:
+            value, step = row.get(self.COLUMN), row.get("step")
+            if not value or not step or not step.isdigit() or int(step) in self.reported:
+                continue
+            try:
+                self.last = float(value)
+            except ValueError:  # a line still being written
+                continue
+            self.trial.report(self.last, int(step))
+            self.reported.add(int(step))
+        return bool(self.reported) and self.trial.should_prune()
+
+
 def _tune_study(queue: TrialQueue, plan: dict[str, Any], point: str, index: int = 0):
     """The per-point Optuna study whose TPE sampler proposes that point's tuning settings. The
     sampler is seeded per tuning trial (`index`), not per worker: workers that start together
@@ -189,14 +230,16 @@ def _start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], 
 
 
 def _finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,
-                         study, trial, config_point: str, status: str, value: float | None) -> None:
+                         study, trial, config_point: str, status: str, value: float | None, tell: bool = True) -> None:
     """Tell TPE the outcome, record it in tuned.json, and settle the point if its tuning is over."""
     import math
 
     from optuna.trial import TrialState
 
-    ok = status == "completed" and value is not None and math.isfinite(value)
-    study.tell(trial, value if ok else None, state=TrialState.COMPLETE if ok else TrialState.FAIL)
+    if tell:
+        ok = status == "completed" and value is not None and math.isfinite(value)
+        state = TrialState.PRUNED if status == "pruned" else TrialState.COMPLETE if ok else TrialState.FAIL
+        study.tell(trial, value if ok else None, state=state)
     tune = plan["tune"]
     point = claimed.spec.point
     with queue.lock():
@@ -272,6 +315,7 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
     env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}
     env.update(OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads), PYTHONUNBUFFERED="1")
     log_path = run_dir / "trial.log"
+    pruning = PruningMonitor(tuning[1], run_dir) if tuning and plan["tune"]["pruner"] != "none" else None
     with open(log_path, "ab") as out:
         out.write(f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n".encode())
         out.flush()
@@ -288,6 +332,16 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
                         raise TrialLost() from None
                     if not queue.still_mine(claimed):
                         raise TrialLost()
+                    if pruning is not None and pruning.should_prune():
+                        raise TrialPruned()
+        except TrialPruned:
+            child.kill()
+            child.wait()
+            attempt.update(ended=time.time(), outcome="pruned")
+            _record_attempt(run_dir, spec, sweep, attempt)
+            queue.finish(claimed, "pruned", pruning.last, {"run_dir": str(run_dir)})
+            _finish_tuning_trial(queue, layout, plan, claimed, *tuning, config_point, "pruned", pruning.last)
+            return "pruned"
         except TrialLost:
             child.kill()
             child.wait()
@@ -326,7 +380,7 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
     if tuning:
         tuning[0].tell(tuning[1], state=optuna.trial.TrialState.FAIL)
         if not requeued:  # this tuning trial failed for good: the point's tuning may now be settled
-            _finish_tuning_trial(queue, layout, plan, claimed, *tuning, config_point, "failed", None)
+            _finish_tuning_trial(queue, layout, plan, claimed, *tuning, config_point, "failed", None, tell=False)
     return "failed"
 
 
