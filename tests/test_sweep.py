@@ -406,3 +406,17 @@ def test_the_default_sweep_answers_the_questions_the_issue_asks_with_three_seeds
     assert axes["attention"] == ["mha", "gqa", "mqa"] and axes["span"] == ["global", "local"]
     assert len(plan.spec.seeds) >= 3
     assert plan.points[0].config.task.eval_lengths == (1, 2, 4)  # the extrapolation evaluation
+
+
+def test_a_trial_queued_by_an_earlier_version_of_the_spec_is_dropped_not_run(tmp_path):
+    path = write_spec(tmp_path, seeds=[0], axes={"model.norm_position": ["pre", "post", "sandwich"]})
+    from study.sweep.runner import prepare
+
+    _, layout, url = prepare(path, opts(tmp_path), say=lambda s: None)
+    queue = TrialQueue(open_storage(url), "t")
+    queue.sync(trial_specs(read_json(layout.plan_path)))  # queued, then the spec loses 'sandwich'
+    path = write_spec(tmp_path, seeds=[0], axes={"model.norm_position": ["pre", "post"]})
+    run_sweep(path, opts(tmp_path), say=lambda s: None)
+    assert len(completions(tmp_path / "results")) == 2
+    dropped = [t for t in queue.trials() if t.user_attrs.get("dropped")]
+    assert len(dropped) == 1 and dropped[0].user_attrs["label"] == "norm_position=sandwich"

@@ -231,8 +231,9 @@ class TrialQueue:
             self._requeue(t, f"lost: {reason}")
         return won
 
-    def claim(self) -> Claimed | None:
-        """Atomically take the oldest waiting trial; None when the queue is empty."""
+    def claim(self, keys: set[str] | None = None) -> Claimed | None:
+        """Atomically take the oldest waiting trial; None when the queue is empty. A waiting trial
+        whose key is not in `keys` (the spec changed since it was queued) is dropped, not run."""
         for t in sorted(self.trials((TrialState.WAITING,)), key=lambda t: t.number):
             try:
                 if not self.storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
@@ -243,6 +244,10 @@ class TrialQueue:
             claimed = Claimed(trial_id=t._trial_id, number=t.number, spec=spec, attempt=int(t.user_attrs.get("attempt", 1)))
             self.storage.set_trial_user_attr(t._trial_id, "worker", self.worker)
             self.beat(claimed)
+            if keys is not None and spec.key not in keys:
+                self.storage.set_trial_user_attr(t._trial_id, "dropped", "not in the current plan")
+                self.storage.set_trial_state_values(t._trial_id, state=TrialState.PRUNED)
+                continue
             duplicate = self._duplicate_of(claimed)
             if duplicate is not None:
                 self.storage.set_trial_user_attr(t._trial_id, "duplicate_of", duplicate)

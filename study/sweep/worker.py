@@ -387,10 +387,11 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
 def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> WorkerSummary:
     """Drain the queue. Stays while other workers' trials run, since a lost one comes back."""
     plan = read_json(layout.plan_path)
+    keys = set(all_keys(plan))
     summary = WorkerSummary()
     while opts.max_trials is None or len(summary.ran) < opts.max_trials:
         queue.reap_lost()
-        claimed = queue.claim()
+        claimed = queue.claim(keys)
         if claimed is None:
             specs = trial_specs(plan, read_tuned(layout))
             counts = queue.counts([s.key for s in specs])
