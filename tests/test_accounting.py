@@ -10,6 +10,7 @@ from study.model import KVCache, build_model
 from study.model.accounting import (
     flops_per_token,
     inference_flops_per_token,
+    kv_cache_bytes,
     kv_cache_bytes_per_token,
     parameter_count,
 )
@@ -82,7 +83,25 @@ def test_kv_cache_bytes_per_token_match_a_filled_cache(name):
             cache.cross_kv.clear()
         else:
             model(torch.randint(0, 100, (1, t)), cache=cache)
-    assert cache.nbytes() == t * kv_cache_bytes_per_token(cfg, bytes_per_element=4)
+    assert cache.nbytes() == kv_cache_bytes(cfg, t, bytes_per_element=4)
+    before = cache.nbytes()
+    with torch.no_grad():  # one more token: the cache grows by the per-token figure
+        if cfg.arch == "encoder-decoder":
+            model.decode(torch.randint(0, 100, (1, 1)), memory, cache=cache)
+            cache.cross_kv.clear()
+        else:
+            model(torch.randint(0, 100, (1, 1)), cache=cache)
+    assert cache.nbytes() - before == kv_cache_bytes_per_token(cfg, bytes_per_element=4)
+    if cfg.window is None:
+        assert cache.nbytes() == (t + 1) * kv_cache_bytes_per_token(cfg, bytes_per_element=4)
+
+
+def test_sliding_window_layers_stop_growing_the_cache():
+    cfg = CONFIGS["mistral-window"]  # every layer local, window 4
+    assert kv_cache_bytes_per_token(cfg) == 0
+    assert kv_cache_bytes(cfg, 1000) == kv_cache_bytes(cfg, 3) == 3 * kv_cache_bytes(cfg.replace(window=None), 1)
+    mixed = cfg.replace(window_pattern="LG")  # half the layers global
+    assert kv_cache_bytes_per_token(mixed) * 2 == kv_cache_bytes_per_token(cfg.replace(window=None))
 
 
 def test_gqa_and_mqa_shrink_the_cache_by_the_sharing_ratio():

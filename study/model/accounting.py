@@ -142,12 +142,25 @@ def inference_flops_per_token(cfg: ModelConfig, context: int) -> float:
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> int:
-    """Bytes the self-attention KV cache grows by per generated token: K and V, n_kv_heads
-    heads of head_dim, in every decoder layer. MQA/GQA divide it by n_heads / n_kv_heads
-    (Shazeer 2019; Ainslie et al. 2023). Encoders keep no cache (0)."""
+    """Bytes the self-attention KV cache grows by per generated token once the context is longer
+    than any window: K and V, n_kv_heads heads of head_dim, in every global decoder layer.
+    MQA/GQA divide it by n_heads / n_kv_heads (Shazeer 2019; Ainslie et al. 2023); sliding-window
+    layers keep a rolling cache of window - 1 positions and stop growing (Jiang et al. 2023).
+    Encoders keep no cache (0)."""
     if cfg.arch == "encoder":
         return 0
-    return 2 * cfg.n_layers * cfg.resolved_n_kv_heads * cfg.resolved_head_dim * bytes_per_element
+    global_layers = cfg.layer_spans(cfg.n_layers).count("global")
+    return 2 * global_layers * cfg.resolved_n_kv_heads * cfg.resolved_head_dim * bytes_per_element
+
+
+def kv_cache_bytes(cfg: ModelConfig, context: int, bytes_per_element: int = 2) -> int:
+    """Bytes of the self-attention KV cache after `context` tokens (per sequence): global layers
+    hold every position, sliding-window layers the window - 1 most recent."""
+    if cfg.arch == "encoder":
+        return 0
+    per_position = 2 * cfg.resolved_n_kv_heads * cfg.resolved_head_dim * bytes_per_element
+    held = sum(context if span == "global" else min(context, cfg.window - 1) for span in cfg.layer_spans(cfg.n_layers))
+    return per_position * held
 
 
 def cost_summary(cfg: ModelConfig, seq_len: int, bytes_per_element: int = 2) -> dict[str, float]:
@@ -158,4 +171,5 @@ def cost_summary(cfg: ModelConfig, seq_len: int, bytes_per_element: int = 2) -> 
         "train_flops_per_token_dense": flops_per_token(cfg, seq_len, training=True, dense_attention=True),
         "inference_flops_per_token": flops_per_token(cfg, seq_len, training=False),
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg, bytes_per_element),
+        "kv_cache_bytes_at_seq_len": kv_cache_bytes(cfg, seq_len, bytes_per_element),
     }

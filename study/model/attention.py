@@ -89,25 +89,33 @@ class KVCache:
     """Keys and values of past positions for incremental decoding.
 
     Stores `n_kv_heads` heads per layer, so MQA/GQA shrink it by n_heads / n_kv_heads.
-    Self-attention entries grow by one step per call; cross-attention entries (the
-    encoder memory projected once) are computed on the first decoding step.
+    Self-attention entries grow by one step per call, except in sliding-window layers, which
+    keep only the `window - 1` most recent positions (all a later query can see; Mistral's
+    rolling cache, Jiang et al. 2023), so their memory stops growing. Cross-attention entries
+    (the encoder memory projected once) are computed on the first decoding step.
     """
 
     self_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    seen: int = 0  # positions processed so far: the position of the next token
 
     @property
     def length(self) -> int:
-        if not self.self_kv:
-            return 0
-        k, _ = next(iter(self.self_kv.values()))
-        return k.shape[2]
+        return self.seen
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kept(self, window: int | None) -> int:
+        """How many past positions a layer with this window (None: global) holds now."""
+        return self.seen if window is None else min(self.seen, window - 1)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this step's keys/values; returns past + new for this step's attention, and stores
+        only the `keep` most recent positions when `keep` is set (a sliding-window layer)."""
         if layer in self.self_kv:
             past_k, past_v = self.self_kv[layer]
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        self.self_kv[layer] = (k, v)
+        stored = (k, v) if keep is None else (k[:, :, k.shape[2] - min(keep, k.shape[2]):],
+                                              v[:, :, v.shape[2] - min(keep, v.shape[2]):])
+        self.self_kv[layer] = stored
         return k, v
 
     def reorder(self, index: torch.Tensor) -> None:
@@ -135,10 +143,11 @@ def _sdpa(q, k, v, bias, is_causal, dropout_p, n_rep):
 class Attention(nn.Module):
     """Multi-head attention with n_kv_heads K/V heads; `cross=True` attends to a memory."""
 
-    def __init__(self, cfg, layer_idx: int, cross: bool = False):
+    def __init__(self, cfg, layer_idx: int, cross: bool = False, window: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.cross = cross
+        self.cache_keep = window - 1 if window is not None else None  # a sliding-window layer's rolling cache
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.resolved_n_kv_heads
         self.head_dim = cfg.resolved_head_dim
@@ -182,7 +191,7 @@ class Attention(nn.Module):
                 cos, sin = rotary
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if cache is not None:
-                k, v = cache.append(self.layer_idx, k, v)
+                k, v = cache.append(self.layer_idx, k, v, keep=self.cache_keep)
         if bias is not None and bias.dtype != q.dtype:
             bias = bias.to(q.dtype)
         dropout_p = self.dropout_p if self.training else 0.0

@@ -56,7 +56,7 @@ class Block(nn.Module):
             return residual(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, cfg.dropout)
 
         self.span = span
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, window=cfg.window if span == "local" else None)
         self.self_attn_residual = wrap()
         self.cross_attn = Attention(cfg, layer_idx, cross=True) if cross else None
         self.cross_attn_residual = wrap() if cross else None
@@ -126,16 +126,20 @@ class Stack(nn.Module):
         h = self.dropout(h)
 
         dtype = _compute_dtype(h)
-        position_bias = self.position.bias(q_pos, k_pos)
         masks = {}
         for span in set(self.spans):
+            window = cfg.window if span == "local" else None
+            # with a cache, a sliding-window layer holds only its most recent past positions
+            first = start - cache.kept(window) if cache is not None else 0
+            span_k_pos = k_pos[first:]
+            span_padding = padding_mask[:, first:] if padding_mask is not None else None
             bias, is_causal = attention_bias(
                 q_pos,
-                k_pos,
+                span_k_pos,
                 causal=self.causal,
-                window=cfg.window if span == "local" else None,
-                key_padding_mask=padding_mask,
-                position_bias=position_bias,
+                window=window,
+                key_padding_mask=span_padding,
+                position_bias=self.position.bias(q_pos, span_k_pos),
             )
             masks[span] = (_to_compute_dtype(bias, dtype), is_causal)
         memory_bias = None
@@ -146,6 +150,8 @@ class Stack(nn.Module):
         inputs = StackInputs(masks, self.position.rotary(q_pos), memory, memory_bias, cache)
         for block in self.blocks:
             h = block(h, inputs)
+        if cache is not None:
+            cache.seen = start + t
         if self.final_norm is not None:
             h = self.final_norm(h)
         return h
