@@ -6,6 +6,7 @@
     study results results/<sweep>                            its results table
     study report results/<sweep>                             figures and report.md (make report)
     study compare results/<sweep>                            beside published numbers (make compare)
+    study score-mt MODEL --src de --tgt en                   a hub model's sacreBLEU on newstest2014
     study axes | study presets                               what can be varied
 """
 
@@ -99,6 +100,25 @@ def _sweep_dir(sweep: str, results: str) -> Path:
     return Path(results) / sweep
 
 
+def _cmd_score_mt(args: argparse.Namespace) -> int:
+    from study.io import atomic_write_json
+    from study.tasks.data import DataError
+    from study.tasks.score_mt import score_newstest2014
+
+    try:
+        result = score_newstest2014(args.model, args.src, args.tgt, args.data_dir, beam_size=args.beam,
+                                    batch_size=args.batch_size, limit=args.limit)
+    except DataError as err:
+        print(f"study score-mt: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else Path("runs") / f"newstest2014-{args.src}-{args.tgt}-{Path(args.model).name}.json"
+    atomic_write_json(out, result)
+    print(json.dumps({k: result[k] for k in ("model", "sentences", "bleu", "bleu_signature", "chrf", "decode_seconds")},
+                     indent=2))
+    print(f"written: {out}")
+    return 0
+
+
 def _cmd_axes(args: argparse.Namespace) -> int:
     from study.config import axis_choices
     from study.model import ACTIVATIONS, NORMS, POSITIONS, RESIDUALS
@@ -162,6 +182,17 @@ def main(argv: list[str] | None = None) -> int:
         if name == "status":
             cmd.add_argument("--storage", default=os.environ.get("STUDY_STORAGE"), help="the sweep's storage URL")
         cmd.set_defaults(func=func)
+    score = sub.add_parser("score-mt", help="score a Hugging Face seq2seq model on WMT14 newstest2014 (sacreBLEU)")
+    score.add_argument("model", help="hub id or local folder of a seq2seq checkpoint with its tokenizer")
+    score.add_argument("--src", default="de", choices=["de", "en"])
+    score.add_argument("--tgt", default="en", choices=["de", "en"])
+    score.add_argument("--beam", type=int, default=4)
+    score.add_argument("--batch-size", type=int, default=16)
+    score.add_argument("--limit", type=int, help="score only the first N segments (the JSON says it is partial)")
+    score.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR"),
+                       help="local dataset folder (default: $STUDY_DATA_DIR; else the Hugging Face hub)")
+    score.add_argument("--out", help="result JSON (default: runs/newstest2014-SRC-TGT-MODEL.json)")
+    score.set_defaults(func=_cmd_score_mt)
     from study.report.cli import add_commands as add_report_commands
 
     add_report_commands(sub)  # study report RESULTS, study compare RESULTS

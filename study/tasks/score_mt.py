@@ -1,0 +1,76 @@
+"""Score a translation model trained elsewhere (a Hugging Face seq2seq checkpoint, from the hub or
+a local folder) on WMT14 newstest2014, the way `study` scores its own: detokenized output,
+sacreBLEU BLEU and chrF with their signatures.
+
+    study score-mt Helsinki-NLP/opus-mt-de-en --src de --tgt en --data-dir ../shared/data
+
+This is how published WMT14 numbers (Vaswani et al. 2017 report tokenized BLEU on newstest2014)
+can be set beside a model's sacreBLEU on the same test set, with the metric variant stated.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import sacrebleu
+import torch
+
+from study.tasks.data import DataError, load_newstest2014
+
+
+class ModelUnavailable(DataError):
+    pass
+
+
+def load_hf_translator(model: str, device: str = "cpu"):
+    """(model, tokenizer) of a seq2seq checkpoint: a local folder, else the hub id (offline: a clear error)."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        net = AutoModelForSeq2SeqLM.from_pretrained(model).to(device).eval()
+    except (OSError, ValueError) as err:
+        where = "local folder" if Path(model).exists() else "Hugging Face hub id"
+        raise ModelUnavailable(
+            f"cannot load translation model {model!r} ({where}): {str(err).splitlines()[0]}. Give a local folder "
+            "holding a seq2seq checkpoint and its tokenizer (save_pretrained), or a hub id with network access."
+        ) from None
+    return net, tokenizer
+
+
+@torch.no_grad()
+def translate(net, tokenizer, sources: list[str], beam_size: int = 4, batch_size: int = 16,
+              max_new_tokens: int = 256, device: str = "cpu") -> list[str]:
+    out: list[str] = []
+    for i in range(0, len(sources), batch_size):
+        batch = tokenizer(sources[i:i + batch_size], return_tensors="pt", padding=True, truncation=True).to(device)
+        generated = net.generate(**batch, num_beams=beam_size, max_new_tokens=max_new_tokens)
+        out += tokenizer.batch_decode(generated, skip_special_tokens=True)
+    return out
+
+
+def score_newstest2014(model: str, src: str = "de", tgt: str = "en", data_dir: str | None = None,
+                       beam_size: int = 4, batch_size: int = 16, limit: int | None = None,
+                       max_new_tokens: int = 256, device: str = "cpu") -> dict[str, Any]:
+    """sacreBLEU BLEU and chrF (with signatures) of `model` on newstest2014 src->tgt."""
+    corpus = load_newstest2014(src, tgt, data_dir)  # data errors first: before any model is loaded
+    pairs = corpus.splits["test"][:limit] if limit else corpus.splits["test"]
+    sources = [p[0] for p in pairs]
+    references = [p[1] for p in pairs]
+    net, tokenizer = load_hf_translator(model, device)
+    started = time.time()
+    hypotheses = translate(net, tokenizer, sources, beam_size, batch_size, max_new_tokens, device)
+    seconds = time.time() - started
+    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+    return {
+        "model": model, "dataset": "newstest2014", "src": src, "tgt": tgt, "sentences": len(pairs),
+        "complete": limit is None or limit >= len(corpus.splits["test"]),
+        "bleu": bleu.corpus_score(hypotheses, [references]).score, "bleu_signature": str(bleu.get_signature()),
+        "chrf": chrf.corpus_score(hypotheses, [references]).score, "chrf_signature": str(chrf.get_signature()),
+        "beam_size": beam_size, "decode_seconds": seconds, "data": corpus.fingerprint,
+        "examples": [{"source": s, "reference": r, "hypothesis": h}
+                     for s, r, h in list(zip(sources, references, hypotheses))[:5]],
+        "hypotheses": hypotheses,
+    }

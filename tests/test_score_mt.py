@@ -1,0 +1,62 @@
+"""Scoring a seq2seq checkpoint trained elsewhere on newstest2014 (the real SGML files), with a
+tiny randomly initialised BART saved locally standing in for a hub model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import sacrebleu
+
+from study.cli import main
+from study.tasks.data import load_newstest2014
+from study.tasks.score_mt import ModelUnavailable, score_newstest2014
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+pytestmark = [pytest.mark.realdata,
+              pytest.mark.skipif(not DATA.is_dir(), reason="real benchmark data not found at ../shared/data")]
+
+
+@pytest.fixture(scope="module")
+def tiny_bart(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import ByteLevelBPETokenizer
+
+    folder = tmp_path_factory.mktemp("bart")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["Ein Mann geht nach Hause.", "A man goes home.", "Die Katze schläft."] * 10,
+                            vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>",
+                                               pad_token="<pad>", unk_token="<unk>")
+    cfg = transformers.BartConfig(vocab_size=len(tok), d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=256, pad_token_id=1, bos_token_id=0,
+                                  eos_token_id=2, decoder_start_token_id=2, forced_bos_token_id=None)
+    transformers.BartForConditionalGeneration(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_a_local_checkpoint_is_scored_with_sacrebleu_and_its_signature(tiny_bart):
+    result = score_newstest2014(str(tiny_bart), "de", "en", str(DATA), beam_size=2, limit=6, max_new_tokens=8)
+    assert result["sentences"] == 6 and not result["complete"] and len(result["hypotheses"]) == 6
+    references = [ref for _, ref in load_newstest2014("de", "en", str(DATA)).splits["test"][:6]]
+    assert [e["reference"] for e in result["examples"]] == references[:5]
+    expected = sacrebleu.metrics.BLEU().corpus_score(result["hypotheses"], [references]).score
+    assert result["bleu"] == pytest.approx(expected)
+    assert result["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert result["chrf_signature"].startswith("nrefs:1|case:mixed")
+
+
+def test_an_unloadable_model_is_a_clear_error_naming_both_ways_to_give_one(tmp_path):
+    with pytest.raises(ModelUnavailable, match="local folder holding a seq2seq checkpoint"):
+        score_newstest2014(str(tmp_path / "missing-model"), "de", "en", str(DATA), limit=2)
+
+
+def test_the_cli_writes_the_result_json(tiny_bart, tmp_path, capsys):
+    out = tmp_path / "score.json"
+    assert main(["score-mt", str(tiny_bart), "--data-dir", str(DATA), "--limit", "3", "--beam", "1",
+                 "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["sentences"] == 3 and len(saved["hypotheses"]) == 3
