@@ -420,3 +420,23 @@ def test_a_trial_queued_by_an_earlier_version_of_the_spec_is_dropped_not_run(tmp
     assert len(completions(tmp_path / "results")) == 2
     dropped = [t for t in queue.trials() if t.user_attrs.get("dropped")]
     assert len(dropped) == 1 and dropped[0].user_attrs["label"] == "norm_position=sandwich"
+
+
+@pytest.mark.realdata
+@pytest.mark.skipif(not DATA.is_dir(), reason="real benchmark data not found at ../shared/data")
+def test_a_trial_process_can_train_with_lightning_ddp_over_several_devices(tmp_path):
+    cfg = {"name": "ddp", "model": {"preset": "llama2", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+                                    "max_seq_len": 32},
+           "task": {"name": "lm", "dataset": "tinyshakespeare", "seq_len": 16, "eval_lengths": [1], "eval_tokens": 2000},
+           "train": {"max_steps": 4, "batch_size": 4, "eval_every": 4, "eval_batches": 2, "warmup_steps": 1,
+                     "accelerator": "cpu", "devices": 2, "strategy": "ddp", "progress_bar": False}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "study.sweep.trial", "--config", str(tmp_path / "cfg.yaml"), "--seed", "0",
+                           "--run-dir", str(run), "--data-dir", str(DATA), "--cache-dir", str(tmp_path / "cache")],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "MEMBER: 2/2" in proc.stdout + proc.stderr  # two ranks really ran
+    metrics = read_json(run / "metrics.json")
+    assert metrics["status"] == "completed" and metrics["steps"] == 4
+    assert metrics["train_tokens"] == 4 * 4 * 16 * 2  # both ranks' tokens are counted

@@ -134,6 +134,9 @@ class StudyModule(L.LightningModule):
             self.diverged_at = int(self.global_step)
             self.trainer.should_stop = True
             return None
+        if self.trainer.world_size > 1:  # count every rank's tokens: throughput is the whole job's
+            n_tokens = int(self.trainer.strategy.reduce(torch.tensor(float(n_tokens), device=loss.device),
+                                                        reduce_op="sum"))
         self.train_tokens += n_tokens
         self._batch_tokens = n_tokens
         return loss
