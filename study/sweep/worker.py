@@ -401,8 +401,8 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
             if queue.sync(specs, retry_failed=False)["enqueued"]:  # keys dropped in a duplicate race
                 continue
             break
-        log.info("%s: trial %d %s %s seed %d (attempt %d)", queue.worker, claimed.number, claimed.spec.label,
-                 claimed.spec.kind, claimed.spec.seed, claimed.attempt)
+        log.info("%s: trial %d %s%s seed %d (attempt %d)", queue.worker, claimed.number, claimed.spec.label,
+                 " (tuning)" if claimed.spec.kind == "tune" else "", claimed.spec.seed, claimed.attempt)
         outcome = run_trial(queue, layout, claimed, plan, opts)
         log.info("%s: trial %d %s seed %d: %s", queue.worker, claimed.number, claimed.spec.label,
                  claimed.spec.seed, outcome)
