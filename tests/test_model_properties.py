@@ -258,3 +258,14 @@ def test_embed_scale_initialises_every_token_embedding_at_unit_scaled_variance()
                              tie_embeddings=False, vocab_size=2000))
     for stack in (model.encoder, model.decoder):
         assert abs(stack.token_embedding.weight.std().item() * 64**0.5 - 1) < 0.05
+
+
+@pytest.mark.parametrize("embed_scale", [True, False])
+def test_sinusoidal_positions_start_at_the_scale_of_the_token_embeddings(embed_scale):
+    cfg = tiny(arch="decoder", d_model=64, position="sinusoidal", embed_scale=embed_scale, vocab_size=2000)
+    model = build_model(cfg)
+    stack = model.decoder
+    tokens = stack.token_embedding.weight * (64**0.5 if embed_scale else 1.0)
+    positions = stack.position.embed(torch.arange(128))
+    ratio = positions.pow(2).mean().sqrt() / tokens.pow(2).mean().sqrt()
+    assert 0.6 < ratio.item() < 1.6  # neither drowns the other (unscaled sinusoids would be ~50x the tokens)

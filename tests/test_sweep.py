@@ -162,6 +162,28 @@ def test_a_sweep_runs_every_trial_once_and_a_second_run_runs_nothing(tmp_path):
     assert set(completions(results).values()) == {1}
 
 
+def test_a_metric_that_does_not_apply_is_a_missing_number_in_the_table(tmp_path):
+    path = write_spec(tmp_path, seeds=[0], axes={"model.position": ["rope", "learned"]})
+    run_sweep(path, opts(tmp_path), say=lambda s: None)
+    df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet").set_index("label")
+    assert df.loc["baseline", "metric.test_ppl_by_length.16"] == 7.5
+    assert pd.isna(df.loc["position=learned", "metric.test_ppl_by_length.16"])  # n/a: learned cannot extrapolate
+
+
+def test_deleting_a_finished_run_directory_makes_the_next_invocation_run_it_again(tmp_path):
+    import shutil
+
+    path = write_spec(tmp_path, seeds=[0])
+    run_sweep(path, opts(tmp_path), say=lambda s: None)
+    done = completions(tmp_path / "results")
+    victim = next(iter(done))
+    shutil.rmtree(tmp_path / "results" / "runs" / victim.rsplit("-s", 1)[0])
+    out: list[str] = []
+    run_sweep(path, opts(tmp_path), say=out.append)
+    assert any("1 newly queued" in line for line in out)
+    assert completions(tmp_path / "results") == done  # rerun once; the other point untouched
+
+
 def test_a_point_shared_with_an_earlier_sweep_is_not_trained_again(tmp_path):
     run_sweep(write_spec(tmp_path, name="first", seeds=[0]), opts(tmp_path), say=lambda s: None)
     out: list[str] = []

@@ -86,12 +86,20 @@ def sinusoid_table(positions: torch.Tensor, dim: int, base: float = 10000.0) -> 
 
 @POSITIONS.register("sinusoidal", "fixed sinusoidal absolute embeddings (Vaswani et al. 2017)")
 class SinusoidalPosition(PositionScheme):
+    """Vaswani et al. add unit-amplitude sinusoids (RMS 1/sqrt(2) per dimension) to token embeddings
+    that `embed_scale` brings to unit variance, so neither drowns the other. Without embed_scale
+    (GPT-2/Llama-style init, token embeddings of std `init_std`), unit sinusoids would outweigh the
+    tokens ~50:1 at init; they are scaled to the same RMS as the tokens instead (`amplitude`), so
+    that this axis changes the position scheme, not the signal-to-noise of the input."""
+
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)
         self.dim = cfg.d_model
+        self.amplitude = 1.0 if cfg.embed_scale else cfg.init_std * math.sqrt(2.0)
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor:
-        return sinusoid_table(positions, self.dim)
+        table = sinusoid_table(positions, self.dim)
+        return table if self.amplitude == 1.0 else table * self.amplitude
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ class Claimed:
     number: int
     spec: TrialSpec
     attempt: int
+    supersedes: tuple[int, ...] = ()  # completed trials of this key whose run directory was lost
 
 
 def _host() -> str:
@@ -107,7 +108,9 @@ class TrialQueue:
         groups = self.by_key()
         counts = {"done": 0, "running": 0, "queued": 0, "failed": 0, "not queued": 0}
         for key in keys:
-            states = {t.state for t in groups.get(key, [])}
+            trials = groups.get(key, [])
+            superseded = {n for t in trials for n in t.user_attrs.get("supersedes", ())}
+            states = {t.state for t in trials if t.number not in superseded}
             if TrialState.COMPLETE in states:
                 counts["done"] += 1
             elif TrialState.RUNNING in states:
@@ -163,14 +166,19 @@ class TrialQueue:
             return self.sync_locked(specs, finished, retry_failed)
 
     def sync_locked(self, specs: list[TrialSpec], finished: dict[str, float | None] | None = None,
-                    retry_failed: bool = True) -> dict[str, int]:
-        """`sync` for a caller that holds `lock()`."""
+                    retry_failed: bool = True, verify_files: bool = False) -> dict[str, int]:
+        """`sync` for a caller that holds `lock()`. With verify_files, `finished` is the complete list of
+        finished run directories on disk, and completed trials missing from it are queued again."""
         finished = finished or {}
         added = {"enqueued": 0, "recorded": 0}
         groups = self.by_key()
         for spec in specs:
             trials = groups.get(spec.key, [])
-            if any(t.state in ACTIVE for t in trials):
+            # the run directories are the record: a completed trial whose finished run directory is
+            # gone (deleted to rerun it, or lost) runs again
+            record_gone = (spec.kind == "seed" and spec.key not in finished and verify_files
+                           and not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials))
+            if any(t.state in ACTIVE for t in trials) and not record_gone:
                 continue
             if not retry_failed and any(t.state == TrialState.FAIL for t in trials):
                 continue
@@ -182,6 +190,8 @@ class TrialQueue:
                     user_attrs={**attrs, "from_files": True}))
                 added["recorded"] += 1
             else:
+                if record_gone:  # the completed trial(s) of this key no longer count as done
+                    attrs["supersedes"] = [t.number for t in trials if t.state == TrialState.COMPLETE]
                 self.study.enqueue_trial({}, user_attrs={**attrs, "attempt": 1})
                 added["enqueued"] += 1
         return added
@@ -203,6 +213,8 @@ class TrialQueue:
                         trial.number, trial.user_attrs.get("label"), attempt, reason)
             return False
         attrs = TrialSpec.from_attrs(trial.user_attrs).attrs()
+        if "supersedes" in trial.user_attrs:
+            attrs["supersedes"] = trial.user_attrs["supersedes"]
         self.study.enqueue_trial({}, user_attrs={**attrs, "attempt": attempt + 1, "retry_of": trial.number,
                                                   "retry_reason": reason})
         log.warning("re-queued %s (attempt %d): %s", trial.user_attrs.get("label"), attempt + 1, reason)
@@ -241,7 +253,8 @@ class TrialQueue:
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue
             spec = TrialSpec.from_attrs(t.user_attrs)
-            claimed = Claimed(trial_id=t._trial_id, number=t.number, spec=spec, attempt=int(t.user_attrs.get("attempt", 1)))
+            claimed = Claimed(trial_id=t._trial_id, number=t.number, spec=spec, attempt=int(t.user_attrs.get("attempt", 1)),
+                              supersedes=tuple(t.user_attrs.get("supersedes", ())))
             self.storage.set_trial_user_attr(t._trial_id, "worker", self.worker)
             self.beat(claimed)
             if keys is not None and spec.key not in keys:
@@ -259,7 +272,7 @@ class TrialQueue:
     def _duplicate_of(self, claimed: Claimed) -> int | None:
         """Another trial of the same key that is done, or running and claimed before this one."""
         for t in self.by_key().get(claimed.spec.key, []):
-            if t.number == claimed.number:
+            if t.number == claimed.number or t.number in claimed.supersedes:
                 continue
             if t.state == TrialState.COMPLETE:
                 return t.number

@@ -29,7 +29,8 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
     elif isinstance(value, (int, float)):
         out[prefix] = float(value) if prefix.startswith("metric.") else value
     elif isinstance(value, str):
-        out[prefix] = value
+        # 'n/a' marks a metric that does not apply (learned positions past their table): a missing number
+        out[prefix] = float("nan") if prefix.startswith("metric.") and value == "n/a" else value
     elif value is None and prefix.startswith("metric."):
         out[prefix] = float("nan")  # n/a, e.g. learned positions beyond their table
 
@@ -108,6 +109,10 @@ def build_table(sweep_dir: str | Path):
                 row = trial_row(plan["sweep"], p, s, layout.run_dir(p["point"], s))
             rows.append(row)
     df = pd.DataFrame(rows)
+    for column in df.columns:  # a column mixing numbers and text (a task's own marker) is kept as text
+        kinds = {type(v) for v in df[column].dropna()}
+        if str in kinds and len(kinds) > 1:
+            df[column] = df[column].map(lambda v: None if v is None or v != v else str(v))
     first = [c for c in df.columns if not c.startswith(("metric.", "cost.", "env.", "data."))]
     rest = sorted(c for c in df.columns if c not in first)
     return df[first + rest]

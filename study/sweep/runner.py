@@ -98,7 +98,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
         if metrics is not None:
             finished[s.key] = objective_value(metrics, plan.spec.metric)
     with queue.lock():
-        added = queue.sync_locked(specs, finished, retry_failed=True)
+        added = queue.sync_locked(specs, finished, retry_failed=True, verify_files=True)
         if plan_data.get("tune"):  # tuning that ended while no worker could settle it (a kill)
             settle_tuning_locked(queue, layout, plan_data, [p["point"] for p in plan_data["points"]])
     counts = queue.counts(keys)
@@ -116,10 +116,10 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
             run_worker(queue, layout, wopts)
         else:
             run_worker_processes(layout, url, workers, wopts)
+    final = queue.counts(keys)
+    _record_invocation(layout, started, workers, threads, final)  # first: the record outlives a table error
     df = write_table(layout.sweep_dir)
     say(summary(df, plan.spec.metric))
-    final = queue.counts(keys)
-    _record_invocation(layout, started, workers, threads, final)
     say(f"{final['done']}/{len(keys)} trials done; {final['failed']} failed"
         + (f"; see {layout.sweep_dir / 'results.csv'}" if len(df) else ""))
     return final
