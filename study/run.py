@@ -94,7 +94,29 @@ def run_experiment(
     cache_dir: str | Path | None = None,
     force: bool = False,
 ) -> dict[str, Any]:
-    """Train and evaluate `cfg`, writing `run_dir`. Returns the metrics dict."""
+    """Train and evaluate `cfg`, writing `run_dir`. Returns the metrics dict.
+
+    A task family with a suite runner (GLUE: several tasks and seeds) hands the experiment to it; the runner
+    calls `run_single` once per sub-run and writes the combined run directory."""
+    from study.tasks.registry import suite_runner
+
+    runner = suite_runner(cfg.task.name)
+    if runner is not None:
+        return runner(cfg, run_dir, data_dir=data_dir, cache_dir=cache_dir, force=force)
+    return run_single(cfg, run_dir, data_dir=data_dir, cache_dir=cache_dir, force=force)
+
+
+def run_single(
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    data_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """One training run of `cfg` (one Lightning fit), writing `run_dir`. Returns the metrics dict.
+
+    Optional hooks: `DataModule.save_artifacts(run_dir)` (e.g. the tokenizer) and `Module.save_outputs(run_dir)`
+    (e.g. test-set predictions) are called on rank zero, after the config and after the final metrics."""
     import lightning as L
     from lightning.fabric.loggers.csv_logs import _ExperimentWriter as _CSVWriter
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -130,6 +152,8 @@ def run_experiment(
         atomic_write_text(config_path, cfg.to_yaml())
         atomic_write_json(run_dir / "env.json", snapshot(cfg.train.precision))
         atomic_write_json(run_dir / "data.json", dm.fingerprint)
+        if hasattr(dm, "save_artifacts"):
+            dm.save_artifacts(run_dir)
 
     t = cfg.train
     L.seed_everything(t.seed, workers=True, verbose=False)
@@ -178,6 +202,8 @@ def run_experiment(
     if status == "completed" and trainer.is_global_zero:
         module.to(trainer.strategy.root_device)  # fit's teardown moved it to the CPU
         final = module.final_metrics(dm)
+        if hasattr(module, "save_outputs"):
+            module.save_outputs(run_dir)
     if trainer.is_global_zero:
         atomic_write(run_dir / "model.pt", lambda p: torch.save(module.model.state_dict(), p))
     seq_len = cfg.task.seq_len

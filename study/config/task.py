@@ -11,12 +11,19 @@ TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lm": ("decoder", ("tinyshakespeare", "wikitext-2")),
     "translation": ("encoder-decoder", ("multi30k",)),
     "pretrain": ("encoder", ("wikitext-2",)),
-    "glue": ("encoder", ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")),
+    # glue: one task, or "glue" for the suite listed in task.glue_tasks
+    "glue": ("encoder", ("glue", "cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")),
 }
+GLUE_DATASETS = TASKS["glue"][1][1:]
 TOKENIZERS = ("char", "word", "bpe", "wordpiece")
 # the tokenizer each dataset is conventionally measured with
 DEFAULT_TOKENIZER = {"tinyshakespeare": "char", "wikitext-2": "word", "multi30k": "bpe"}
 LANGS = ("de", "en", "fr", "cs")
+
+
+def _glue_key(name: str) -> str:
+    """GLUE task name as the dataset key: "SST-2" -> "sst2", "STS-B" -> "stsb"."""
+    return "".join(c for c in str(name).lower() if c.isalnum())
 
 
 @dataclass(frozen=True)
@@ -39,10 +46,21 @@ class TaskConfig(Config):
     max_len_a: float = 1.2  # decode at most a * |source| + b tokens (fairseq's convention)
     max_len_b: int = 10
     test_sets: tuple[str, ...] = ("test_2016_flickr", "test_2017_flickr", "test_2017_mscoco")
+    # pretrain (BERT-style MLM; NSP on or off is model.nsp)
+    mlm_probability: float = 0.15  # fraction of tokens selected; of those 80% [MASK], 10% random, 10% unchanged
+    # glue
+    glue_tasks: tuple[str, ...] = ()  # dataset "glue": these tasks (e.g. [sst2, cola]); empty -> all nine
+    init_from: str | None = None  # a pretrain run directory: its architecture, weights and tokenizer
+    pretrained_weights: bool = True  # with init_from: false keeps its tokenizer and shape, weights start random
+    finetune_seeds: tuple[int, ...] = ()  # one fine-tuning run per seed and task; empty -> (train.seed,)
+    epochs: float | None = None  # glue: at most this many passes over a task's training set (max_steps caps too)
 
     def _resolve_defaults(self) -> None:
+        if self.name == "glue" and _glue_key(self.dataset) in TASKS["glue"][1]:
+            object.__setattr__(self, "dataset", _glue_key(self.dataset))  # "SST-2" -> "sst2"
         if self.tokenizer is None:
-            object.__setattr__(self, "tokenizer", DEFAULT_TOKENIZER.get(self.dataset, "wordpiece"))
+            default = "wordpiece" if self.name in ("pretrain", "glue") else DEFAULT_TOKENIZER.get(self.dataset, "wordpiece")
+            object.__setattr__(self, "tokenizer", default)
 
     @property
     def arch(self) -> str:
@@ -64,8 +82,24 @@ class TaskConfig(Config):
         p.check(self.beam_size >= 1, "beam_size", f"must be >= 1, got {self.beam_size}")
         p.check(self.length_penalty >= 0, "length_penalty", f"must be >= 0, got {self.length_penalty}")
         p.check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_b", "decode length a*|src|+b needs a >= 0, b >= 1")
-        if self.tokenizer in ("bpe", "wordpiece"):
+        if self.tokenizer in ("bpe", "wordpiece") and not (self.name == "glue" and self.init_from):
             p.check(self.vocab_size is not None, "vocab_size", f"tokenizer={self.tokenizer!r} needs a vocab_size")
+        if self.name in ("pretrain", "glue"):
+            p.check(self.tokenizer in ("wordpiece", "bpe"), "tokenizer",
+                    f"{self.name} needs a subword vocabulary ('wordpiece' or 'bpe'), got {self.tokenizer!r}")
+        p.check(0 < self.mlm_probability < 1, "mlm_probability", f"must be in (0, 1), got {self.mlm_probability}")
+        bad = [t for t in self.glue_tasks if _glue_key(t) not in GLUE_DATASETS]
+        p.check(not bad, "glue_tasks", f"unknown GLUE task(s) {bad}; valid: {list(GLUE_DATASETS)} (case and dashes ignored)")
+        p.check(len(set(self.finetune_seeds)) == len(self.finetune_seeds) and all(s >= 0 for s in self.finetune_seeds),
+                "finetune_seeds", f"must be distinct seeds >= 0, got {list(self.finetune_seeds)}")
+        p.check(self.epochs is None or self.epochs > 0, "epochs", f"must be > 0 or null, got {self.epochs}")
+        if self.name != "glue":
+            for name, empty in (("glue_tasks", ()), ("init_from", None), ("finetune_seeds", ()), ("epochs", None)):
+                p.check(getattr(self, name) == empty, name, f"only applies to task.name='glue' (got {getattr(self, name)!r})")
+        elif self.dataset != "glue":
+            p.check(not self.glue_tasks, "glue_tasks", f"only applies to dataset='glue' (the suite), not {self.dataset!r}")
+        if self.init_from is not None:
+            p.check(self.init_from.strip() != "", "init_from", "must be a pretrain run directory or null")
         if self.name == "translation":
             # BLEU is computed on detokenized text: the tokenizer must give the text back exactly
             p.check(self.tokenizer in ("bpe", "char"), "tokenizer",

@@ -1,0 +1,297 @@
+"""GLUE fine-tuning: TSV quirks reaching the model's inputs, the unavailable-task path, config and init_from
+errors before training, the submission format, and a tiny pretrain -> fine-tune suite (several tasks, two
+seeds, MNLI matched/mismatched) through run_experiment. Plus a real-data smoke test (marked realdata)."""
+
+from __future__ import annotations
+
+import copy
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from study.config import ConfigError, ExperimentConfig
+from study.run import run_experiment
+from study.tasks.data import DatasetUnavailable, glue_task_info
+from study.tasks.glue import GlueDataModule, GlueModule, format_prediction, pretrained_config
+from study.tasks.pretrain import CLS, SEP
+from test_pretrain_task import BASE as PRETRAIN_BASE
+from test_pretrain_task import write_wikitext
+
+REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+GOOD = "good great fine lovely superb".split()
+BAD = "bad awful poor dull boring".split()
+FILL = "the film movie plot was a with and very".split()
+
+
+def _txt(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def _sentence(rng: random.Random, positive: bool) -> str:
+    words = [rng.choice(FILL) for _ in range(rng.randint(2, 5))] + [rng.choice(GOOD if positive else BAD)]
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+def write_glue(root: Path, n: int = 48, seed: int = 0) -> Path:
+    """Tiny GLUE folders with the release's quirks: headerless CoLA train/dev (dev without a final newline),
+    MRPC train/dev with a BOM, unbalanced quotes (read with QUOTE_NONE), MNLI matched/mismatched, QNLI without
+    its training split, no QQP."""
+    rng = random.Random(seed)
+    g = root / "glue"
+
+    def rows(k, make):
+        return "".join(make(i) + "\n" for i in range(k))
+
+    def lab(i):
+        return i % 2
+
+    cola = lambda i: f"gj04\t{lab(i)}\t{'' if lab(i) else '*'}\t{_sentence(rng, bool(lab(i)))} ."  # noqa: E731
+    _txt(g / "CoLA/train.tsv", rows(n, cola))
+    _txt(g / "CoLA/dev.tsv", rows(12, cola).rstrip("\n"))  # no trailing newline
+    _txt(g / "CoLA/test.tsv", "index\tsentence\n" + rows(5, lambda i: f"{i}\t{_sentence(rng, True)}"))
+    sst = lambda i: f'{_sentence(rng, bool(lab(i)))} " \t{lab(i)}'  # noqa: E731  (an unbalanced quote)
+    _txt(g / "SST-2/train.tsv", "sentence\tlabel\n" + rows(n, sst))
+    _txt(g / "SST-2/dev.tsv", "sentence\tlabel\n" + rows(12, sst))
+    _txt(g / "SST-2/test.tsv", "index\tsentence\n" + rows(7, lambda i: f"{i}\t{_sentence(rng, False)}"))
+    hdr = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+    mrpc = lambda i: f"{lab(i)}\t{i}\t{i + 1}\t{_sentence(rng, True)}\t{_sentence(rng, bool(lab(i)))}"  # noqa: E731
+    _txt(g / "MRPC/train.tsv", "\ufeff" + hdr + rows(n, mrpc))
+    _txt(g / "MRPC/dev.tsv", "\ufeff" + hdr + rows(12, mrpc))
+    _txt(g / "MRPC/test.tsv", "index\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + rows(4, lambda i: f"{i}\t1\t2\ta b\tc d"))
+    sts = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
+    stsr = lambda i: f"{i}\tmain\tMSRvid\t2012\t0001\tnone\tnone\t{_sentence(rng, True)}\t{_sentence(rng, lab(i))}\t{2.5 * lab(i) + (i % 3):.2f}"  # noqa: E731,E501
+    _txt(g / "STS-B/train.tsv", sts + "\tscore\n" + rows(n, stsr))
+    _txt(g / "STS-B/dev.tsv", sts + "\tscore\n" + rows(12, stsr))
+    _txt(g / "STS-B/test.tsv", sts + "\n" + rows(3, lambda i: f"{i}\tmain\tMSRvid\t2012\t0024\tnone\tnone\ta b\tc d"))
+    mn = "\t".join(["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
+                    "sentence1_parse", "sentence2_parse", "sentence1", "sentence2"])
+    names = ["entailment", "neutral", "contradiction"]
+    mrow = lambda i: f"{i}\t1\t1e\tgov\tb\tb\tp\tp\t{_sentence(rng, True)}\t{_sentence(rng, i % 3 == 0)}"  # noqa: E731
+    _txt(g / "MNLI/train.tsv", mn + "\tlabel1\tgold_label\n" + rows(n, lambda i: mrow(i) + f"\tx\t{names[i % 3]}"))
+    dev_h = mn + "\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label\n"
+    for split in ("dev_matched", "dev_mismatched"):
+        _txt(g / f"MNLI/{split}.tsv", dev_h + rows(9, lambda i: mrow(i) + f"\tx\tx\tx\tx\tx\t{names[i % 3]}"))
+    for split in ("test_matched", "test_mismatched"):
+        _txt(g / f"MNLI/{split}.tsv", mn + "\n" + rows(4, mrow))
+    _txt(g / "QNLI/dev.tsv", "index\tquestion\tsentence\tlabel\n0\tWhat?\tThat.\tnot_entailment\n")
+    _txt(g / "QNLI/test.tsv", "index\tquestion\tsentence\n0\tWho?\tHim.\n")
+    return root
+
+
+MODEL = {"arch": "encoder", "objective": "mlm", "type_vocab_size": 2, "d_model": 32, "n_layers": 2, "n_heads": 2,
+         "max_seq_len": 32, "norm_position": "pre", "dropout": 0.1}
+TRAIN = {"max_steps": 4, "batch_size": 8, "lr": 1e-3, "warmup_steps": 1, "eval_every": 1000, "log_every": 2,
+         "grad_norm_every": 0, "progress_bar": False, "accelerator": "cpu"}
+
+
+def glue_cfg(**task) -> ExperimentConfig:
+    t = {"name": "glue", "dataset": "glue", "seq_len": 32, "vocab_size": 100, **task}
+    return ExperimentConfig.from_dict({"name": "glue-tiny", "model": dict(MODEL), "task": t, "train": dict(TRAIN)})
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """Missing files must not send the loaders to the hub (the unavailable-task path is tested offline)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("glue") / "data"
+    write_glue(root)
+    write_wikitext(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def pretrained(data, tmp_path_factory) -> Path:
+    """A tiny finished pretrain run (MLM + NSP)."""
+    d = copy.deepcopy(PRETRAIN_BASE)
+    d["train"]["max_steps"] = 3
+    out = tmp_path_factory.mktemp("pre") / "run"
+    m = run_experiment(ExperimentConfig.from_dict(d), out, data_dir=data, cache_dir=out.parent / "cache")
+    assert m["status"] == "completed"
+    return out
+
+
+# --- data ---------------------------------------------------------------------------------------------------------
+
+
+def test_tsv_quirks_reach_the_inputs(data, tmp_path):
+    def prepared(task):
+        dm = GlueDataModule(glue_cfg(dataset=task), data_dir=data, cache_dir=tmp_path)
+        dm.prepare()
+        return dm
+
+    cola = prepared("CoLA")  # headerless train/dev: no row lost to a header, the last dev row (no newline) kept
+    assert len(cola.encoded["train"]) == 48 and len(cola.encoded["dev"]) == 12
+    assert cola.labels["train"][:4] == [0, 1, 0, 1] and cola.data["dev"][-1].text_a.endswith(" .")
+    mrpc = prepared("mrpc")  # BOM before the header: the Quality column is still found
+    assert mrpc.labels["train"][:2] == [0, 1] and len(mrpc.encoded["dev"]) == 12
+    ids, types = mrpc.encoded["train"][0]
+    assert ids[0] == CLS and ids.count(SEP) == 2 and set(types) == {0, 1} and types[0] == 0 and types[-1] == 1
+    sst = prepared("SST-2")  # an unbalanced quote stays in the text and does not swallow the next rows
+    assert len(sst.encoded["train"]) == 48 and all('"' in e.text_a for e in sst.data["train"])
+    assert sst.tokenizer.token_to_id('"') in sst.encoded["train"][0][0]
+    ids, types = sst.encoded["train"][0]
+    assert ids[0] == CLS and ids[-1] == SEP and set(types) == {0}
+    assert sst.fingerprint["source"] == "local" and "SST-2/train.tsv" in str(sst.fingerprint["files"])
+
+
+def test_long_pairs_are_truncated_longest_first(data, tmp_path):
+    from study.tasks.glue import encode_example
+
+    dm = GlueDataModule(glue_cfg(dataset="mrpc"), data_dir=data, cache_dir=tmp_path)
+    dm.prepare()
+    ids, types = encode_example(dm.tokenizer, "good " * 40, "bad " * 5, 16)
+    assert len(ids) == 16 and types.count(1) == 6  # the short side is kept whole
+    ids, _ = encode_example(dm.tokenizer, "good " * 40, None, 16)
+    assert len(ids) == 16 and ids[-1] == SEP
+
+
+def test_unavailable_tasks_are_reported_and_the_others_run(data, tmp_path):
+    cfg = glue_cfg(glue_tasks=("sst2", "qnli", "mnli", "qqp"))
+    cfg = cfg.replace(task=cfg.task.replace(glue_tasks=("sst2", "qnli", "qqp")))
+    m = run_experiment(cfg, tmp_path / "run", data_dir=data, cache_dir=tmp_path / "cache")
+    r = m["metrics"]
+    assert m["status"] == "completed" and r["unavailable_tasks"] == ["QNLI", "QQP"]
+    assert "glue/QNLI/train.tsv" in r["unavailable"]["QNLI"] and "nyu-mll/glue" in r["unavailable"]["QNLI"]
+    assert "glue/QQP/train.tsv" in r["unavailable"]["QQP"] and "--data-dir" in r["unavailable"]["QQP"]
+    assert list(r["tasks"]) == ["SST-2"] and r["glue_score_tasks"] == ["SST-2"] and not r["glue_score_complete"]
+    # a single named task that is unavailable fails the run, with the same message
+    with pytest.raises(DatasetUnavailable, match="QNLI"):
+        run_experiment(glue_cfg(dataset="qnli"), tmp_path / "qnli", data_dir=data, cache_dir=tmp_path / "cache")
+
+
+# --- errors before training ---------------------------------------------------------------------------------------
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="glue_tasks: unknown GLUE task"):
+        glue_cfg(glue_tasks=("sst2", "squad"))
+    with pytest.raises(ConfigError, match="dataset"):
+        glue_cfg(dataset="squad")
+    with pytest.raises(ConfigError, match="finetune_seeds"):
+        glue_cfg(finetune_seeds=(1, 1))
+    with pytest.raises(ConfigError, match="glue_tasks: only applies to dataset='glue'"):
+        glue_cfg(dataset="sst2", glue_tasks=("cola",))
+    assert glue_cfg(dataset="SST-2").task.dataset == "sst2"
+
+
+def test_init_from_missing_or_incompatible_fails_before_training(data, tmp_path):
+    with pytest.raises(ValueError, match="task.init_from: .* does not exist"):
+        run_experiment(glue_cfg(init_from=str(tmp_path / "nope")), tmp_path / "a", data_dir=data)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.yaml").write_text("name: x\n")
+    with pytest.raises(ValueError, match=r"task.init_from: .*\(missing \['model.pt', 'tokenizer.json', 'metrics.json'\]"):
+        run_experiment(glue_cfg(init_from=str(half)), tmp_path / "b", data_dir=data)
+    lm = tmp_path / "lm"  # a finished run of another task family
+    lm.mkdir()
+    lm_cfg = ExperimentConfig.from_dict({"model": {"arch": "decoder", "d_model": 16, "n_heads": 2}})
+    (lm / "config.yaml").write_text(lm_cfg.to_yaml())
+    for f in ("model.pt", "tokenizer.json"):
+        (lm / f).write_bytes(b"")
+    (lm / "metrics.json").write_text('{"status": "completed"}')
+    with pytest.raises(ValueError, match="task.init_from: .* decoder/clm model"):
+        run_experiment(glue_cfg(init_from=str(lm)), tmp_path / "c", data_dir=data)
+    assert not (tmp_path / "c").exists()  # nothing written, nothing trained
+
+
+def test_submission_format():
+    assert format_prediction(glue_task_info("rte"), 1) == "not_entailment"
+    assert format_prediction(glue_task_info("mnli"), 2) == "contradiction"
+    assert format_prediction(glue_task_info("qnli"), 0) == "entailment"
+    assert format_prediction(glue_task_info("wnli"), 1) == "1"
+    assert format_prediction(glue_task_info("cola"), 0) == "0"
+    assert format_prediction(glue_task_info("stsb"), 6.2) == "5.000"
+    assert format_prediction(glue_task_info("stsb"), 2.34567) == "2.346"
+
+
+# --- pretrain -> fine-tune ----------------------------------------------------------------------------------------
+
+
+def test_module_starts_from_the_pretrained_encoder(pretrained):
+    from study.tasks.glue import resolve_model
+
+    cfg = resolve_model(glue_cfg(dataset="sst2", init_from=str(pretrained)))
+    pre = pretrained_config(pretrained)
+    assert cfg.model.d_model == pre.model.d_model and not cfg.model.nsp and cfg.model.dropout == 0.1
+    state = torch.load(pretrained / "model.pt", weights_only=True)
+    module = GlueModule(cfg)
+    for k, v in module.model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    scratch = GlueModule(resolve_model(glue_cfg(dataset="sst2", init_from=str(pretrained), pretrained_weights=False)))
+    assert not torch.equal(scratch.model.token_embedding.weight, state["token_embedding.weight"])
+
+
+def test_pretrain_then_finetune_suite_with_seeds(data, pretrained, tmp_path):
+    cfg = glue_cfg(glue_tasks=("sst2", "stsb", "mnli", "cola"), init_from=str(pretrained), finetune_seeds=(0, 1), epochs=1)
+    cfg = cfg.replace(train=cfg.train.replace(max_steps=100))  # one epoch (6 steps) decides
+    run = tmp_path / "ft"
+    m = run_experiment(cfg, run, data_dir=data, cache_dir=tmp_path / "cache")
+    assert m["status"] == "completed"
+    r = m["metrics"]
+    assert list(r["tasks"]) == ["SST-2", "STS-B", "MNLI", "CoLA"] and r["seeds"] == [0, 1]
+    sst = r["tasks"]["SST-2"]
+    accs = [sst["seeds"][s]["accuracy"] for s in ("0", "1")]
+    assert sst["mean"]["accuracy"] == pytest.approx(statistics.fmean(accs))
+    assert sst["std"]["accuracy"] == pytest.approx(statistics.stdev(accs))
+    assert r["SST-2/accuracy"] == sst["mean"]["accuracy"] and "SST-2/accuracy_std" in r
+    assert set(r["tasks"]["STS-B"]["mean"]) == {"pearson", "spearman"}
+    assert set(r["tasks"]["MNLI"]["mean"]) == {"accuracy_m", "accuracy_mm"} and "CoLA/mcc" in r
+    scores = [r["tasks"][t]["score_mean"] for t in r["tasks"]]
+    assert r["glue_score"] == pytest.approx(sum(scores) / 4)
+    assert sst["seeds"]["0"]["steps"] == 6  # one epoch: 48 examples / 8
+    # every (task, seed) is a complete run directory, started from the pretrained run
+    sub = run / "SST-2" / "seed1"
+    for f in ("config.yaml", "model.pt", "classifier.pt", "metrics.json", "data.json", "predictions/SST-2.tsv"):
+        assert (sub / f).is_file(), f
+    sub_cfg = ExperimentConfig.from_yaml((sub / "config.yaml").read_text())
+    assert sub_cfg.train.seed == 1 and sub_cfg.task.dataset == "sst2" and sub_cfg.task.init_from == str(pretrained)
+    assert (sub / "tokenizer.json").read_bytes() == (pretrained / "tokenizer.json").read_bytes()
+    # test predictions in the GLUE server's format, from the best seed
+    for name, rows, allowed in (("SST-2", 7, {"0", "1"}), ("MNLI-m", 4, {"entailment", "neutral", "contradiction"}),
+                                ("MNLI-mm", 4, {"entailment", "neutral", "contradiction"}), ("CoLA", 5, {"0", "1"})):
+        lines = (run / "submission" / f"{name}.tsv").read_text().splitlines()
+        assert lines[0] == "index\tprediction" and len(lines) == rows + 1
+        assert [ln.split("\t")[0] for ln in lines[1:]] == [str(i) for i in range(rows)]
+        assert {ln.split("\t")[1] for ln in lines[1:]} <= allowed
+    sts = (run / "submission" / "STS-B.tsv").read_text().splitlines()[1:]
+    assert all(0.0 <= float(ln.split("\t")[1]) <= 5.0 for ln in sts)
+    # the suite's config records the pretrained architecture; a rerun is not repeated
+    top = ExperimentConfig.from_yaml((run / "config.yaml").read_text())
+    assert top.model.d_model == 32 and not top.model.nsp
+    again = run_experiment(cfg, run, data_dir=data, cache_dir=tmp_path / "cache")
+    assert again["metrics"]["glue_score"] == r["glue_score"]
+
+
+@pytest.mark.realdata
+@pytest.mark.skipif(not (REAL_DATA / "glue").is_dir(), reason=f"real GLUE data not found at {REAL_DATA}")
+def test_real_glue_suite_smoke(tmp_path):
+    cfg = glue_cfg(glue_tasks=("wnli", "qnli", "mnli"), vocab_size=400)
+    cfg = cfg.replace(train=cfg.train.replace(max_steps=2))
+    m = run_experiment(cfg, tmp_path / "run", data_dir=REAL_DATA, cache_dir=tmp_path / "cache")
+    r = m["metrics"]
+    assert r["unavailable_tasks"] == ["MNLI", "QNLI"] and list(r["tasks"]) == ["WNLI"]
+    assert r["tasks"]["WNLI"]["seeds"]["0"]["n_dev"] == {"dev": 71}
+    lines = (tmp_path / "run" / "submission" / "WNLI.tsv").read_text().splitlines()
+    assert len(lines) == 147 and lines[0] == "index\tprediction"
+    for task, n_train, n_dev in (("CoLA", 8551, 1043), ("MRPC", 3668, 408)):
+        dm = GlueDataModule(glue_cfg(dataset=task, vocab_size=400), data_dir=REAL_DATA, cache_dir=tmp_path / "cache")
+        dm.prepare()
+        assert (len(dm.encoded["train"]), len(dm.encoded["dev"])) == (n_train, n_dev)
