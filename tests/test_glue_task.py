@@ -94,19 +94,8 @@ def glue_cfg(**task) -> ExperimentConfig:
     return ExperimentConfig.from_dict({"name": "glue-tiny", "model": dict(MODEL), "task": t, "train": dict(TRAIN)})
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    """Missing files must not send the loaders to the hub (the unavailable-task path is tested offline)."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# offline: missing files must not send the loaders to the hub; one thread: tiny models run faster on one
+pytestmark = pytest.mark.usefixtures("offline_hub", "one_torch_thread")
 
 
 @pytest.fixture(scope="module")
