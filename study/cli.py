@@ -51,6 +51,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     # `kill PID` (and a batch scheduler's SIGTERM) stop the sweep like Ctrl-C: workers give their
     # trials back to the queue instead of leaving them to the heartbeat timeout
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    import logging
+
+    # the in-process worker (--workers 1) reports each trial as the worker processes do
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("study.sweep").setLevel(logging.INFO)
     opts = SweepOptions(results=args.results, storage=args.storage, workers=args.workers, threads=args.threads,
                         data_dir=args.data_dir, cache_dir=args.cache_dir, dry_run=args.dry_run,
                         runner=args.runner, estimate_rate=args.peak_flops)

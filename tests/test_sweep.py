@@ -249,6 +249,7 @@ def _assert_exactly_the_grid(tmp_path: Path, spec: Path, storage: str, password:
     runs = _concurrent_commands(tmp_path, spec, storage)
     failed = [r for r in runs if r.returncode != 0]
     assert not failed, failed[0].stdout[-3000:]
+    assert any(": completed" in r.stdout for r in runs)  # the in-process worker reports its trials
     done = completions(tmp_path / "results")
     assert len(done) == 8 and set(done.values()) == {1}, done
     queue, keys = queue_for(tmp_path / "results" / "t", storage)
