@@ -142,6 +142,9 @@ def test_an_unreachable_storage_is_reported_without_its_password(tmp_path):
         open_storage(url)
     assert "hunter2-secret" not in str(err.value) and "***" in str(err.value)
     assert redact(url) == "postgresql://alice:***@127.0.0.1:1/nowhere"
+    with pytest.raises(StorageError):  # and a sweep against it writes nothing
+        run_sweep(write_spec(tmp_path), opts(tmp_path, storage=url), say=lambda s: None)
+    assert not (tmp_path / "results").exists()
 
 
 # -- running ----------------------------------------------------------------------------------

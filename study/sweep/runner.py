@@ -66,6 +66,8 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     validate_url(url)
     if opts.dry_run:
         return plan, layout, url
+    if not url.startswith(("sqlite", "journal")):
+        open_storage(url)  # an unreachable server fails here, before anything is written
     layout.sweep_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(layout.sweep_dir / "spec.yaml", Path(spec_path).read_text())
     data = plan.to_dict()
