@@ -36,3 +36,11 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
 
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def read_json_or_none(path: str | Path) -> Any:
+    """The JSON in `path`, or None when it is missing or unreadable (never half-written: see atomic_write)."""
+    try:
+        return read_json(path)
+    except (OSError, json.JSONDecodeError):
+        return None

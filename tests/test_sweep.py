@@ -19,7 +19,7 @@ import yaml
 from study.sweep import SweepOptions, SweepSpecError, expand, load_spec, run_sweep
 from study.sweep.queue import TrialQueue
 from study.sweep.storage import StorageError, open_storage, redact
-from study.sweep.worker import SweepLayout, trial_specs
+from study.sweep.worker import trial_specs
 from study.io import read_json
 
 TESTS = Path(__file__).resolve().parent

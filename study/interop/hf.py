@@ -433,7 +433,7 @@ def from_hf(hf_model, **overrides: Any) -> TransformerBase:
     The names of our parameters that had no Hugging Face counterpart are stored on the
     returned model as `hf_missing` (empty for *ForPreTraining / *LMHeadModel / *ForCausalLM).
     """
-    mt = _model_type(hf_model)
+    _model_type(hf_model)  # an unsupported class fails here, before any weights are built
     if type(hf_model).__name__ == "BertForPreTraining":
         overrides.setdefault("nsp", True)
     cfg = config_from_hf(hf_model.config, **overrides)

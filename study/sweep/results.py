@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from study.io import atomic_write, read_json
-from study.sweep.worker import SweepLayout, read_tuned
+from study.io import atomic_write, read_json, read_json_or_none
+from study.sweep.worker import FINISHED, SweepLayout, read_tuned
 
 STATUSES = ("completed", "diverged", "failed", "running", "pending")
 
@@ -35,15 +35,8 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = float("nan")  # n/a, e.g. learned positions beyond their table
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return read_json(path) if path.is_file() else None
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tuple[str, str]:
-    if metrics and metrics.get("status") in ("completed", "diverged"):
+    if metrics and metrics.get("status") in FINISHED:
         return metrics["status"], ""
     attempts = (trial or {}).get("attempts", [])
     if not attempts:
@@ -66,8 +59,8 @@ def trial_row(sweep: str, point: dict[str, Any], seed: int, run_dir: Path) -> di
         row[f"axis.{name}"] = label
     row["task"] = cfg["task"]["name"]
     row["dataset"] = cfg["task"]["dataset"]
-    metrics = _read(run_dir / "metrics.json")
-    trial = _read(run_dir / "trial.json")
+    metrics = read_json_or_none(run_dir / "metrics.json")
+    trial = read_json_or_none(run_dir / "trial.json")
     status, error = _status(metrics, trial)
     row.update(status=status, attempts=len((trial or {}).get("attempts", [])), error=error)
     m = metrics or {}
@@ -76,13 +69,13 @@ def trial_row(sweep: str, point: dict[str, Any], seed: int, run_dir: Path) -> di
     _flatten("metric", m.get("metrics", {}), row)
     _flatten("cost", m.get("cost", {}), row)
     row["run_dir"] = str(run_dir)
-    env = _read(run_dir / "env.json") or {}
+    env = read_json_or_none(run_dir / "env.json") or {}
     git = env.get("git") or {}
     row["env.git"] = (git.get("commit", "") + ("+dirty" if git.get("dirty") else "")) if isinstance(git, dict) else git
     row["env.torch"] = (env.get("packages") or {}).get("torch")
     row["env.device"] = env.get("cuda") or env.get("device")
     row["env.threads"] = env.get("torch_threads")
-    data = _read(run_dir / "data.json")
+    data = read_json_or_none(run_dir / "data.json")
     row["data.fingerprint"] = (hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
                                if data else None)
     return row

@@ -23,13 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
 from study.io import atomic_write_json, atomic_write_text, read_json
 from study.sweep import plan as planning
 from study.sweep.storage import default_url, open_storage, redact, validate_url
 from study.sweep.trial import DEFAULT_RUNNER
-from study.sweep.worker import (STORAGE_ENV, SweepLayout, WorkerOptions, _die_with_parent, all_keys, finished_run,
+from study.sweep.worker import (STORAGE_ENV, SweepLayout, WorkerOptions, die_with_parent, all_keys, finished_run,
                                 objective_value, open_queue, read_tuned, run_worker, settle_tuning_locked,
                                 trial_specs)
 
@@ -152,7 +150,7 @@ def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: Work
         cmd += ["--cache-dir", str(opts.cache_dir)]
     procs = []
     for _ in range(workers):
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
         time.sleep(0.2)  # stagger the first claims
     try:
         for p in procs:
@@ -187,6 +185,3 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> str:
     lines.append(f"finished seed-trial run directories: {on_disk}/{len(plan['points']) * len(plan['seeds'])}")
     return "\n".join(lines)
 
-
-def load_yaml(path: str | Path) -> Any:
-    return yaml.safe_load(Path(path).read_text())

@@ -86,7 +86,6 @@ def _rdb_storage(url: str, engine_kwargs: dict, tries: int = 5):
 
 def open_storage(url: str):
     """An Optuna storage for `url`, or a StorageError naming the (redacted) URL and why."""
-    import optuna
 
     validate_url(url)
     kind = scheme(url)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study.io import atomic_write_json, read_json
+from study.io import atomic_write_json, read_json, read_json_or_none
 from study.sweep.queue import Claimed, TrialQueue, TrialSpec
 from study.sweep.trial import DEFAULT_RUNNER
 
@@ -30,7 +29,7 @@ FINISHED = ("completed", "diverged")
 STORAGE_ENV = "STUDY_STORAGE"
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Run in the child before exec: the kernel kills it when its parent (the worker) dies, so a
     killed worker never leaves an orphan training into a run directory a retry will use."""
     try:
@@ -95,14 +94,8 @@ def read_tuned(layout: "SweepLayout") -> dict[str, Any]:
 
 
 def finished_run(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / "metrics.json"
-    if not path.is_file():
-        return None
-    try:
-        metrics = read_json(path)
-    except (OSError, json.JSONDecodeError):
-        return None
-    return metrics if metrics.get("status") in FINISHED else None
+    metrics = read_json_or_none(run_dir / "metrics.json")
+    return metrics if metrics and metrics.get("status") in FINISHED else None
 
 
 def objective_value(metrics: dict[str, Any], metric: str) -> float | None:
@@ -319,7 +312,7 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
     with open(log_path, "ab") as out:
         out.write(f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n".encode())
         out.flush()
-        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         try:
             while True:
                 try:
