@@ -28,6 +28,7 @@ import torch
 from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text, read_json
 from study.model.accounting import cost_summary
+from study.tasks.registry import predicted_fraction
 
 log = logging.getLogger(__name__)
 FINISHED = ("completed", "diverged")
@@ -216,7 +217,7 @@ def run_single(
         "train_tokens": module.train_tokens,
         "metrics": final,
         "cost": {
-            **cost_summary(cfg.model, seq_len, bytes_per_element),
+            **cost_summary(cfg.model, seq_len, bytes_per_element, predicted_fraction(cfg)),
             "train_tokens_per_s": module.throughput(),
             "peak_memory_bytes": peak_memory_bytes(),
             "fit_seconds": fit_seconds,

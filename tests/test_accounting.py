@@ -51,6 +51,19 @@ def test_forward_flops_match_torch_flop_counter(name):
     assert counter.get_total_flops() / t == flops_per_token(cfg, t, training=False, dense_attention=True)
 
 
+def test_an_mlm_head_on_the_masked_positions_only_costs_that_fraction_of_its_flops():
+    # MLM pretraining runs the head (transform + vocabulary projection) on the selected 15% only
+    cfg = CONFIGS["bert"]
+    model = build_model(cfg).eval()
+    t, predicted = 16, 4
+    x = torch.randint(0, 100, (1, t))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.mlm_logits(model(x)[:, :predicted])
+    expected = flops_per_token(cfg, t, training=False, dense_attention=True, predicted_fraction=predicted / t)
+    assert counter.get_total_flops() / t == pytest.approx(expected)
+    assert expected < flops_per_token(cfg, t, training=False, dense_attention=True)
+
+
 def test_training_flops_are_three_forwards_and_causal_attention_counts_half():
     cfg = CONFIGS["gpt2-sandwich"]
     t = 32

@@ -1,5 +1,7 @@
 """ModelConfig: validated on construction, every problem listed, YAML round trip, presets."""
 
+from pathlib import Path
+
 import pytest
 
 from study.config import PRESETS, ConfigError, ModelConfig, axis_choices, parse_overrides, preset
@@ -164,3 +166,15 @@ def test_gated_ffn_default_width_keeps_the_parameter_count():
     for d in (64, 128, 256, 512):
         gated_params, plain_params = 3 * d * default_d_ff(d, True), 2 * d * default_d_ff(d, False)
         assert abs(gated_params / plain_params - 1) < 0.03
+
+
+EXPERIMENTS = sorted((Path(__file__).resolve().parents[1] / "experiments").glob("*.yaml"))
+SWEEP_SPECS = {"ablation_default.yaml"}  # checked with the sweep's own loader in test_sweep.py
+
+
+@pytest.mark.parametrize("path", [p for p in EXPERIMENTS if p.name not in SWEEP_SPECS], ids=lambda p: p.name)
+def test_every_shipped_experiment_config_is_valid(path):
+    from study.config import ExperimentConfig
+
+    cfg = ExperimentConfig.load(path)
+    assert cfg.name and ExperimentConfig.from_yaml(cfg.to_yaml()) == cfg

@@ -395,7 +395,7 @@ def test_glue_metadata():
     assert glue_task_info("qqp").metrics == ("f1", "accuracy")
     mnli = glue_task_info("mnli")
     assert mnli.num_labels == 3 and mnli.eval_splits == ("dev_matched", "dev_mismatched")
-    assert mnli.test_splits == ("test_matched", "test_mismatched")
+    assert mnli.test_splits == ("test_matched", "test_mismatched", "diagnostic")
     for t in ("QNLI", "RTE", "WNLI"):
         assert glue_task_info(t).metrics == ("accuracy",) and glue_task_info(t).num_labels == 2
 
@@ -418,7 +418,7 @@ def test_glue_local_quirks(root):
     assert qqp["train"][0].label == 1 and qqp["train"][0].idx == 10 and qqp["test"][0].text_b == "Where?"
     mnli = load_glue("MNLI", data_dir=root)
     assert mnli["train"][0].label == 1 and mnli["dev_matched"][0].label == 2 and mnli["dev_mismatched"][0].label == 0
-    assert mnli.unavailable_splits == ("test_matched", "test_mismatched")
+    assert mnli.unavailable_splits == ("test_matched", "test_mismatched", "diagnostic")
     rte = load_glue("RTE", data_dir=root)
     assert [e.label for e in rte["train"]] == [1, 0] and rte.label_names == ("entailment", "not_entailment")
     wnli = load_glue("WNLI", data_dir=root)
@@ -655,10 +655,12 @@ def test_hub_translation_and_glue(fake_hub):
         s: FakeSplit(premise=["P"], hypothesis=["H"], label=[-1 if s.startswith("test") else 2], idx=[4])
         for s in ("train", "validation_matched", "validation_mismatched", "test_matched", "test_mismatched")
     }
+    served[("nyu-mll/glue", "ax")] = {"test": FakeSplit(premise=["D"], hypothesis=["H"], label=[-1], idx=[0])}
     mnli = load_glue("MNLI")
     assert mnli["dev_mismatched"][0] == mnli["train"][0] and mnli["train"][0].label == 2
     assert mnli["test_matched"][0].label is None and mnli["test_matched"][0].idx == 4
     assert mnli.fingerprint["source"] == "hub" and mnli.fingerprint["config"] == "mnli"
+    assert mnli["diagnostic"][0].text_a == "D" and mnli["diagnostic"][0].label is None
     served[("nyu-mll/glue", "stsb")] = {
         s: FakeSplit(sentence1=["a"], sentence2=["b"], label=[3.5], idx=[0]) for s in ("train", "validation", "test")
     }

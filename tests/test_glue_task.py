@@ -1,6 +1,7 @@
 """GLUE fine-tuning: TSV quirks reaching the model's inputs, the unavailable-task path, config and init_from
 errors before training, the submission format, and a tiny pretrain -> fine-tune suite (several tasks, two
-seeds, MNLI matched/mismatched) through run_experiment. Plus a real-data smoke test (marked realdata)."""
+seeds, MNLI matched/mismatched) through run_experiment; the diagnostic set (AX) as an optional test split of MNLI
+(local and hub) and its AX.tsv submission. Plus real-data smoke tests (marked realdata)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import torch
 
 from study.config import ConfigError, ExperimentConfig
 from study.run import run_experiment
-from study.tasks.data import DatasetUnavailable, glue_task_info
+from study.tasks.data import DatasetUnavailable, glue_task_info, load_glue
 from study.tasks.glue import GlueDataModule, GlueModule, format_prediction, pretrained_config
 from study.tasks.pretrain import CLS, SEP
+from test_data import FakeSplit
 from test_pretrain_task import BASE as PRETRAIN_BASE
 from test_pretrain_task import write_wikitext
 
@@ -80,6 +82,16 @@ def write_glue(root: Path, n: int = 48, seed: int = 0) -> Path:
         _txt(g / f"MNLI/{split}.tsv", mn + "\n" + rows(4, mrow))
     _txt(g / "QNLI/dev.tsv", "index\tquestion\tsentence\tlabel\n0\tWhat?\tThat.\tnot_entailment\n")
     _txt(g / "QNLI/test.tsv", "index\tquestion\tsentence\n0\tWho?\tHim.\n")
+    return root
+
+
+def write_diagnostic(root: Path, n: int = 6, seed: int = 1) -> Path:
+    """The diagnostic set (AX) as released: `glue/diagnostic/diagnostic.tsv`, index/sentence1/sentence2, no labels,
+    no final newline; one unbalanced quote (read with QUOTE_NONE)."""
+    rng = random.Random(seed)
+    quote = lambda i: ' "' if i == 1 else ""  # noqa: E731
+    rows = [f"{i}\t{_sentence(rng, True)}{quote(i)}\t{_sentence(rng, i % 2 == 0)}" for i in range(n)]
+    _txt(root / "glue" / "diagnostic" / "diagnostic.tsv", "index\tsentence1\tsentence2\n" + "\n".join(rows))
     return root
 
 
@@ -164,6 +176,54 @@ def test_unavailable_tasks_are_reported_and_the_others_run(data, tmp_path):
     # a single named task that is unavailable fails the run, with the same message
     with pytest.raises(DatasetUnavailable, match="QNLI"):
         run_experiment(glue_cfg(dataset="qnli"), tmp_path / "qnli", data_dir=data, cache_dir=tmp_path / "cache")
+
+
+def test_diagnostic_split_is_loaded_with_mnli_when_present(tmp_path):
+    root = write_glue(tmp_path / "data")
+    mnli = load_glue("MNLI", data_dir=root)  # no diagnostic file: MNLI loads, the split is listed as unavailable
+    assert mnli.unavailable_splits == ("diagnostic",) and "diagnostic" not in mnli.splits
+    assert len(mnli["test_matched"]) == 4 and len(mnli["dev_mismatched"]) == 9
+    with pytest.raises(DatasetUnavailable, match="glue/diagnostic/diagnostic.tsv"):  # named explicitly: required
+        load_glue("MNLI", data_dir=root, splits=["diagnostic"])
+    write_diagnostic(root)
+    mnli = load_glue("MNLI", data_dir=root)
+    diag = mnli["diagnostic"]
+    assert mnli.unavailable_splits == () and "diagnostic" in mnli.test_splits
+    assert [e.idx for e in diag] == list(range(6)) and all(e.label is None and e.text_b for e in diag)
+    assert diag[1].text_a.endswith(' "') and diag[-1].text_b  # the quote and the last row (no newline) are kept
+    assert "diagnostic/diagnostic.tsv" in mnli.fingerprint["files"]
+    assert "diagnostic" not in glue_task_info("RTE").all_splits  # only MNLI predicts the diagnostic set
+
+
+def test_diagnostic_split_from_the_hub(monkeypatch):
+    """On the hub the diagnostic set is config "ax", split "test" (labels -1); without that config MNLI still loads."""
+    from study.tasks.data import glue as glue_data
+    from study.tasks.data import sources
+
+    def split(n, label):
+        return FakeSplit(premise=["p"] * n, hypothesis=["h"] * n, label=[label] * n, idx=list(range(n)))
+
+    mnli = {s: split(2, 1) for s in ("train", "validation_matched", "validation_mismatched")}
+    mnli |= {s: split(2, -1) for s in ("test_matched", "test_mismatched")}
+    served = {"mnli": mnli, "ax": {"test": split(3, -1)}}
+
+    def load(hub_id, config, revision):  # like hub_load_dataset, every failure is a HubUnavailable
+        if config not in served:
+            raise sources.HubUnavailable(f"no config {config!r}")
+        return served[config]
+
+    monkeypatch.delenv("STUDY_DATA_DIR", raising=False)
+    monkeypatch.setattr(sources, "hub_revision", lambda hub_id: "rev0")
+    monkeypatch.setattr(glue_data, "hub_load_dataset", load)
+    task = load_glue("MNLI")
+    assert task.fingerprint["source"] == "hub" and task.unavailable_splits == ()
+    assert [(e.idx, e.label) for e in task["diagnostic"]] == [(0, None), (1, None), (2, None)]
+    assert task["train"][0].label == 1 and task["test_matched"][0].label is None
+    del served["ax"]
+    task = load_glue("MNLI")
+    assert task.unavailable_splits == ("diagnostic",) and len(task["train"]) == 2
+    with pytest.raises(DatasetUnavailable, match="no config 'ax'"):  # named explicitly: required
+        load_glue("MNLI", splits=["diagnostic"])
 
 
 # --- errors before training ---------------------------------------------------------------------------------------
@@ -262,11 +322,34 @@ def test_pretrain_then_finetune_suite_with_seeds(data, pretrained, tmp_path):
         assert {ln.split("\t")[1] for ln in lines[1:]} <= allowed
     sts = (run / "submission" / "STS-B.tsv").read_text().splitlines()[1:]
     assert all(0.0 <= float(ln.split("\t")[1]) <= 5.0 for ln in sts)
+    assert not (run / "submission" / "AX.tsv").exists()  # no diagnostic file here: MNLI ran without it
     # the suite's config records the pretrained architecture; a rerun is not repeated
     top = ExperimentConfig.from_yaml((run / "config.yaml").read_text())
     assert top.model.d_model == 32 and not top.model.nsp
     again = run_experiment(cfg, run, data_dir=data, cache_dir=tmp_path / "cache")
     assert again["metrics"]["glue_score"] == r["glue_score"]
+
+
+def test_mnli_run_writes_the_diagnostic_submission(tmp_path):
+    data = write_diagnostic(write_glue(tmp_path / "data"))
+    run = tmp_path / "run"
+    m = run_experiment(glue_cfg(dataset="mnli"), run, data_dir=data, cache_dir=tmp_path / "cache")
+    assert m["status"] == "completed" and list(m["metrics"]["tasks"]) == ["MNLI"]
+    assert (run / "MNLI" / "seed0" / "predictions" / "AX.tsv").is_file()
+    lines = (run / "submission" / "AX.tsv").read_text().splitlines()
+    assert lines[0] == "index\tprediction" and len(lines) == 7  # one row per diagnostic example, in index order
+    assert [ln.split("\t")[0] for ln in lines[1:]] == [str(i) for i in range(6)]
+    assert {ln.split("\t")[1] for ln in lines[1:]} <= {"entailment", "neutral", "contradiction"}
+    assert {"MNLI-m.tsv", "MNLI-mm.tsv", "AX.tsv"} == {f.name for f in (run / "submission").iterdir()}
+
+
+@pytest.mark.realdata
+@pytest.mark.skipif(not (REAL_DATA / "glue").is_dir(), reason=f"real GLUE data not found at {REAL_DATA}")
+def test_real_diagnostic_set():
+    diag = load_glue("MNLI", data_dir=REAL_DATA, splits=["diagnostic"])["diagnostic"]  # MNLI itself is not here
+    assert len(diag) == 1104 and [e.idx for e in diag] == list(range(1104))
+    assert diag[0].text_a == "The cat sat on the mat." and diag[0].text_b == "The cat did not sit on the mat."
+    assert all(e.text_a and e.text_b and e.label is None for e in diag)
 
 
 @pytest.mark.realdata

@@ -10,6 +10,8 @@ import hashlib
 import json
 import math
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +314,7 @@ def test_nan_loss_diverges_at_that_step(corpus, monkeypatch):
             loss, n = super().training_loss(batch)
             return (loss * float("nan"), n) if self.global_step == 3 else (loss, n)
 
-    monkeypatch.setitem(registry.TASK_FAMILIES, "lm", (LMDataModule, NaNAtStep3))
+    monkeypatch.setattr(registry, "task_family", lambda name: (LMDataModule, NaNAtStep3))
     cfg = make_cfg(model={"n_layers": 1}, train={"max_steps": 10, "log_every": 1})
     d = corpus["root"] / "diverged-nan"
     m = run(corpus, cfg, "diverged-nan")
@@ -342,7 +344,7 @@ def test_exact_resume_after_a_kill(main_run, corpus, monkeypatch):
                 raise Killed()
 
     with monkeypatch.context() as mp:
-        mp.setitem(registry.TASK_FAMILIES, "lm", (LMDataModule, KilledDuringStep9))
+        mp.setattr(registry, "task_family", lambda name: (LMDataModule, KilledDuringStep9))
         with pytest.raises(Killed):
             run(corpus, cfg, "resumed")
     assert not (d / "metrics.json").exists() and not (d / "model.pt").exists()
@@ -464,3 +466,13 @@ def test_real_wikitext2_and_tinyshakespeare(tmp_path, monkeypatch):
     assert m["status"] == "completed" and m["steps"] == 3
     assert prepared[-1].tokenizer.vocab_size == 66  # 65 characters + <unk>
     assert math.isfinite(m["metrics"]["valid_ppl"])
+
+
+def test_an_lm_run_imports_neither_glue_metrics_nor_sacrebleu():
+    # the task registry imports a family on first use: start-up time is part of every run's wall time
+    code = ("import sys; from study.tasks.registry import task_family; task_family('lm'); "
+            "print(sorted(m for m in ('sklearn', 'sacrebleu') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    with pytest.raises(ValueError, match="implemented: \\['glue', 'lm', 'pretrain', 'translation'\\]"):
+        registry.task_family("vision")

@@ -12,7 +12,7 @@ import torch
 
 from study.config import ConfigError, ExperimentConfig
 from study.run import run_experiment
-from study.tasks.base import lr_multiplier
+from study.tasks.base import lr_multiplier, time_aware_multiplier
 from study.tasks.pretrain import (
     CLS,
     IGNORE,
@@ -24,7 +24,6 @@ from study.tasks.pretrain import (
     full_sentences,
     mask_tokens,
     nsp_pairs,
-    time_aware_multiplier,
     wikitext_sentences,
 )
 
@@ -179,16 +178,17 @@ def test_wikitext_sentences():
 
 def test_time_aware_schedule_decays_by_time_when_time_runs_out_first():
     cfg = make_cfg().train.replace(max_steps=1000, warmup_steps=10, max_time_s=100.0, schedule="linear", min_lr_ratio=0.0)
-    now = [0.0]
-    mult = time_aware_multiplier(cfg, clock=lambda: now[0])
+    elapsed = [0.0]
+    mult = time_aware_multiplier(cfg, lambda: elapsed[0])
     assert mult(0) == lr_multiplier(0, cfg)  # warm-up by steps
-    now[0] = 10.0
     assert mult(10) == pytest.approx(1.0)
-    now[0] = 55.0  # half the remaining time spent, 1% of the steps
+    elapsed[0] = 50.0  # half the time spent, 1% of the steps
     assert mult(20) == pytest.approx(0.5, abs=0.01)
-    now[0] = 100.0
+    elapsed[0] = 100.0
     assert mult(30) == pytest.approx(0.0, abs=1e-3)
-    untimed = time_aware_multiplier(cfg.replace(max_time_s=None))
+    elapsed[0] = 1.0  # steps run out first: the step schedule
+    assert mult(505) == pytest.approx(lr_multiplier(505, cfg))
+    untimed = time_aware_multiplier(cfg.replace(max_time_s=None), lambda: 99.0)
     assert untimed(500) == lr_multiplier(500, cfg)
 
 
@@ -247,8 +247,28 @@ def test_pretrain_end_to_end(wikitext, tmp_path, nsp):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tmp_path / "run" / "tokenizer.json"))
-    assert tok.token_to_id("[MASK]") == MASK and tok.get_vocab_size() == ExperimentConfig.from_yaml(
-        (tmp_path / "run" / "config.yaml").read_text()).model.vocab_size
+    resolved = ExperimentConfig.from_yaml((tmp_path / "run" / "config.yaml").read_text())
+    assert tok.token_to_id("[MASK]") == MASK and tok.get_vocab_size() == resolved.model.vocab_size
+    # the cost counts the MLM head on the selected 15% only, as it runs
+    from study.model.accounting import flops_per_token
+
+    seq = resolved.task.seq_len
+    assert m["cost"]["train_flops_per_token"] == flops_per_token(resolved.model, seq, predicted_fraction=0.15)
+    assert m["cost"]["train_flops_per_token"] < flops_per_token(resolved.model, seq)
+
+
+def test_nsp_is_learned_where_the_documents_tell_apart(tmp_path):
+    # The synthetic articles have disjoint vocabularies, so "is B from A's article?" is answerable from the words
+    # alone; a wiring fault (labels not matching their pairs, the head reading the wrong position) stays at chance
+    # (ln 2 = 0.693). 12 articles of 6 topics: a negative from the same-topic article is the rare unlearnable case.
+    data = tmp_path / "data"
+    write_wikitext(data, (12, 6, 3))
+    d = make_cfg(nsp=True).to_dict()
+    d["model"].update(d_model=64, n_heads=4)
+    d["train"].update(max_steps=600, lr=1e-3, eval_every=100000, eval_batches=None)
+    m = run_experiment(ExperimentConfig.from_dict(d), tmp_path / "run", data_dir=data, cache_dir=tmp_path / "cache")
+    r = m["metrics"]
+    assert r["valid_nsp_loss"] < 0.6 and r["valid_nsp_accuracy"] > 0.65, r
 
 
 @pytest.mark.realdata

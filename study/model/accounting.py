@@ -66,17 +66,17 @@ def parameter_count(cfg: ModelConfig) -> int:
     return n
 
 
-def _matmul_params(cfg: ModelConfig) -> tuple[int, int]:
+def _matmul_params(cfg: ModelConfig, predicted_fraction: float = 1.0) -> tuple[float, float]:
     """Weights multiplied per token (decoder side, encoder side), including the output
-    projection (a real matmul even when tied) and excluding embedding lookups and biases
-    (an addition, not a multiply-accumulate)."""
+    projection (a real matmul even when tied) on the `predicted_fraction` of positions that
+    compute it, and excluding embedding lookups and biases (an addition, not a multiply-accumulate)."""
     d, v = cfg.d_model, cfg.vocab_size
     cross_q_o = d * cfg.n_heads * cfg.resolved_head_dim * 2  # cross-attn q and o run per target token
     per_block = _attention_params(cfg, bias=False) + _ffn_params(cfg, bias=False)
     if cfg.arch == "encoder":
-        head = d * d + d * v  # MLM transform + vocabulary projection
+        head = (d * d + d * v) * predicted_fraction  # MLM transform + vocabulary projection
         return cfg.n_layers * per_block + head, 0
-    decoder = cfg.n_layers * per_block + d * v
+    decoder = cfg.n_layers * per_block + d * v * predicted_fraction
     if cfg.arch == "encoder-decoder":
         kv = 2 * d * cfg.resolved_n_kv_heads * cfg.resolved_head_dim  # memory K/V: once per source token
         return decoder + cfg.n_layers * cross_q_o, cfg.resolved_encoder_layers * per_block + cfg.n_layers * kv
@@ -104,7 +104,8 @@ def _attention_flops(cfg: ModelConfig, n_layers: int, seq_len: int, causal: bool
     return total
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True, dense_attention: bool = False) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True, dense_attention: bool = False,
+                    predicted_fraction: float = 1.0) -> float:
     """FLOPs per token: forward = 2 * (matmul weights) + attention scores; training = 3x forward
     (backward costs twice the forward; Kaplan et al. 2020, sec. 2.1; Chowdhery et al. 2022, app. B).
 
@@ -112,8 +113,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True, dense
     at most `window`). `dense_attention=True` counts the full T x T square instead, which is what
     a kernel without causal/window skipping executes. For encoder-decoder the cost is per target
     token with a source of the same length (encoder and cross-attention included).
+    `predicted_fraction` is the share of positions whose output head runs: MLM pretraining computes
+    it on the masked positions only (`task.mlm_probability`), so the 8k-vocabulary projection of an
+    encoder costs 15% of what it would on every token.
     """
-    dec_weights, enc_weights = _matmul_params(cfg)
+    dec_weights, enc_weights = _matmul_params(cfg, predicted_fraction)
     fwd = 2 * (dec_weights + enc_weights)
     if cfg.arch == "encoder":
         fwd += _attention_flops(cfg, cfg.n_layers, seq_len, causal=False, dense=dense_attention)
@@ -163,12 +167,16 @@ def kv_cache_bytes(cfg: ModelConfig, context: int, bytes_per_element: int = 2) -
     return per_position * held
 
 
-def cost_summary(cfg: ModelConfig, seq_len: int, bytes_per_element: int = 2) -> dict[str, float]:
+def cost_summary(cfg: ModelConfig, seq_len: int, bytes_per_element: int = 2,
+                 predicted_fraction: float = 1.0) -> dict[str, float]:
+    """`predicted_fraction`: the share of positions whose output head the task computes in training (see
+    flops_per_token); inference FLOPs count the head on every position."""
     return {
         "parameters": parameter_count(cfg),
         "d_ff": cfg.resolved_d_ff,
-        "train_flops_per_token": flops_per_token(cfg, seq_len, training=True),
-        "train_flops_per_token_dense": flops_per_token(cfg, seq_len, training=True, dense_attention=True),
+        "train_flops_per_token": flops_per_token(cfg, seq_len, training=True, predicted_fraction=predicted_fraction),
+        "train_flops_per_token_dense": flops_per_token(cfg, seq_len, training=True, dense_attention=True,
+                                                       predicted_fraction=predicted_fraction),
         "inference_flops_per_token": flops_per_token(cfg, seq_len, training=False),
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg, bytes_per_element),
         "kv_cache_bytes_at_seq_len": kv_cache_bytes(cfg, seq_len, bytes_per_element),

@@ -246,13 +246,15 @@ def estimate(plan: Plan, rate_flops: float | None = None, workers: int = 1, thre
     """Training FLOPs of the whole plan (from the accounting module) and a rough wall-clock time:
     each trial's FLOPs at the matmul rate one trial's threads reach, times an assumed utilisation."""
     from study.model.accounting import flops_per_token
+    from study.tasks.registry import predicted_fraction
 
     per_point = []
     for p in plan.points:
         c = p.config
         tokens_per_step = c.train.batch_size * c.train.accumulate * c.task.seq_len
         model = c.model.replace(vocab_size=_planning_vocab(c))
-        flops = flops_per_token(model, c.task.seq_len) * tokens_per_step * c.train.max_steps
+        flops = flops_per_token(model, c.task.seq_len, predicted_fraction=predicted_fraction(c))
+        flops *= tokens_per_step * c.train.max_steps
         per_point.append(flops)
     runs_per_point = len(plan.spec.seeds) + (plan.spec.tune_settings["trials"] if plan.spec.tune else 0)
     total = sum(per_point) * runs_per_point

@@ -1,7 +1,8 @@
 """Training machinery shared by every task family.
 
 `StudyModule` is the LightningModule base: AdamW with a decay/no-decay split,
-warm-up schedules, per-layer gradient norms, clean divergence handling, exact
+warm-up schedules (decaying with the time budget when that runs out before the
+steps), per-layer gradient norms, clean divergence handling, exact
 resume (RNG state in the checkpoint; data position from the step counter), and
 optional `torch.compile` that leaves checkpoints unchanged. Task modules only
 implement `training_loss` and `validation_loss`.
@@ -13,10 +14,11 @@ import math
 import re
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Timer
 from torch import nn
 
 from study.config import ExperimentConfig, TrainConfig
@@ -38,6 +40,23 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     if cfg.schedule == "cosine":  # Loshchilov & Hutter 2017, without restarts
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     return floor + (1 - floor) * (1 - progress)  # linear
+
+
+def time_aware_multiplier(cfg: TrainConfig, training_seconds: Callable[[], float]) -> Callable[[int], float]:
+    """`lr_multiplier` for a run that may stop on its time budget: with `train.max_time_s`, the decay after warm-up
+    follows whichever runs out first, the steps or the time, so a run stopped by the clock ends with its learning
+    rate decayed as a step-limited run would (a schedule that assumed max_steps would stop mid-decay). The time is
+    read, not kept, so a resumed run (whose Timer restores the elapsed time) continues the same schedule."""
+
+    def multiplier(step: int) -> float:
+        if not cfg.max_time_s or step < cfg.warmup_steps or cfg.schedule in ("constant", "inverse_sqrt"):
+            return lr_multiplier(step, cfg)
+        by_steps = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        by_time = training_seconds() / cfg.max_time_s
+        progress = min(1.0, max(by_steps, by_time))
+        return lr_multiplier(round(cfg.warmup_steps + progress * (cfg.max_steps - cfg.warmup_steps)), cfg)
+
+    return multiplier
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -96,13 +115,19 @@ class StudyModule(L.LightningModule):
     def configure_optimizers(self):
         t = self.cfg.train
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
-        groups = parameter_groups(self.model, t.weight_decay)
+        groups = parameter_groups(self, t.weight_decay)  # the LightningModule's: task heads outside the model too
         try:  # the fused kernel is faster and exists for CPU and CUDA in recent torch
             optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
         except (RuntimeError, TypeError, ValueError):
             optimizer = torch.optim.AdamW(groups, **kwargs)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, t))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, time_aware_multiplier(t, self.training_seconds))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def training_seconds(self) -> float:
+        """Wall time of training so far, from Lightning's Timer (which a resumed run restores); 0 without one."""
+        trainer = self._trainer
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None) if trainer is not None else None
+        return timer.time_elapsed("train") if timer is not None else 0.0
 
     def on_before_optimizer_step(self, optimizer) -> None:
         every = self.cfg.train.grad_norm_every

@@ -14,7 +14,9 @@ for the tasks in `task.glue_tasks` (empty: all nine), and each task is fine-tune
     <run_dir>/submission/<TASK>.tsv              for each task the test predictions of the seed with the best
                                                  dev score, named and formatted as the GLUE server expects
                                                  (`index<TAB>prediction`; MNLI-m.tsv / MNLI-mm.tsv; label names
-                                                 for MNLI, QNLI, RTE; 0/1 otherwise; STS-B a score in [0, 5])
+                                                 for MNLI, QNLI, RTE; 0/1 otherwise; STS-B a score in [0, 5]);
+                                                 AX.tsv: the MNLI model's predictions on the diagnostic set
+                                                 (glue/diagnostic/diagnostic.tsv; not written when it is absent)
 
 A task whose data cannot be found (here QNLI's train split, MNLI, QQP) is listed under `unavailable` with the
 files expected and the hub id, and the other tasks run; a single named task that is unavailable fails the run.
@@ -60,12 +62,16 @@ from study.tasks.data import (
     load_glue,
 )
 from study.tasks.glue_metrics import GLUE_TASK_COUNT, compute_metrics, glue_score, task_score
-from study.tasks.pretrain import CLS, PAD, SEP, SPECIALS, TOKENIZER_FILE, TimeBudgetMixin
+from study.tasks.pretrain import CLS, PAD, SEP, SPECIALS, TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
 
-# test split -> file name the GLUE server expects
-SUBMISSION_FILES = {("MNLI", "test_matched"): "MNLI-m", ("MNLI", "test_mismatched"): "MNLI-mm"}
+# test split -> file name the GLUE server expects; the diagnostic set (AX) is predicted by the MNLI model
+SUBMISSION_FILES = {
+    ("MNLI", "test_matched"): "MNLI-m",
+    ("MNLI", "test_mismatched"): "MNLI-mm",
+    ("MNLI", "diagnostic"): "AX",
+}
 PRETRAIN_FILES = ("config.yaml", "model.pt", TOKENIZER_FILE, "metrics.json")
 
 
@@ -238,7 +244,7 @@ class GlueDataModule(StudyDataModule):
         return self._loader(self.batches(self.info.eval_splits[0], self.cfg.train.batch_size)[0], batch_size=None)
 
 
-class GlueModule(TimeBudgetMixin, StudyModule):
+class GlueModule(StudyModule):
     def __init__(self, cfg: ExperimentConfig):
         super().__init__(cfg)
         self.info = glue_task_info(cfg.task.dataset)

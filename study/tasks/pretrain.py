@@ -40,10 +40,10 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from study.config import ExperimentConfig, TrainConfig
+from study.config import ExperimentConfig
 from study.io import atomic_write
 from study.model.loss import linear_cross_entropy
-from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, lr_multiplier, seeded_generator
+from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
 from study.tasks.data import build_tokenizer, load_lm_corpus
 from study.tasks.data.lm import is_wikitext_title
 
@@ -207,51 +207,6 @@ def masked_batch(batch: dict[str, torch.Tensor], vocab_size: int, probability: f
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# time-budgeted schedule (shared with GLUE fine-tuning)
-
-
-def time_aware_multiplier(t: TrainConfig, clock=None):
-    """lr multiplier by step; with `train.max_time_s` the decay after warm-up follows whichever runs out first,
-    the steps or the time (so a run stopped by its time budget ends with its learning rate decayed). The clock
-    starts when the scheduler is built (the start of fit)."""
-    import time
-
-    clock = clock or time.perf_counter
-    state: dict[str, float] = {}
-
-    def mult(step: int) -> float:
-        now = clock()
-        state.setdefault("t0", now)
-        if not t.max_time_s or step < t.warmup_steps or t.schedule in ("constant", "inverse_sqrt"):
-            return lr_multiplier(step, t)
-        warm_end = state.setdefault("warm_end", now)
-        left = max(1e-9, t.max_time_s - (warm_end - state["t0"]))
-        by_time = (now - warm_end) / left
-        by_steps = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-        progress = min(1.0, max(by_steps, by_time))
-        return lr_multiplier(int(t.warmup_steps + progress * (t.max_steps - t.warmup_steps)), t)
-
-    return mult
-
-
-class TimeBudgetMixin:
-    """configure_optimizers with `time_aware_multiplier` and every parameter of the LightningModule (heads too)."""
-
-    def configure_optimizers(self):
-        from study.tasks.base import parameter_groups
-
-        t = self.cfg.train
-        kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
-        groups = parameter_groups(self, t.weight_decay)
-        try:
-            optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
-        except (RuntimeError, TypeError, ValueError):
-            optimizer = torch.optim.AdamW(groups, **kwargs)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, time_aware_multiplier(t))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-# --------------------------------------------------------------------------------------------------------------------
 # Lightning
 
 
@@ -369,7 +324,7 @@ class PretrainDataModule(StudyDataModule):
         return self._loader(self.valid_batches, batch_size=None)
 
 
-class PretrainModule(TimeBudgetMixin, StudyModule):
+class PretrainModule(StudyModule):
     def losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         h = self.net(batch["input_ids"], token_type_ids=batch["token_type_ids"], padding_mask=batch.get("padding_mask"))
         labels = batch["labels"]

@@ -1,15 +1,17 @@
 """GLUE tasks from the original TSV release (or the `nyu-mll/glue` hub copy).
 
 Split names follow the GLUE files: "train", "dev", "test"; MNLI has "dev_matched", "dev_mismatched", "test_matched",
-"test_mismatched". Labels use the hub's integer conventions (MNLI: entailment 0, neutral 1, contradiction 2;
-QNLI/RTE: entailment 0, not_entailment 1; others 0/1 as in the files); STS-B labels are floats in [0, 5]; test
-labels are None.
+"test_mismatched" and "diagnostic" (the diagnostic set AX: test-only, predicted by the MNLI model; locally
+`glue/diagnostic/diagnostic.tsv`, on the hub config "ax"). Labels use the hub's integer conventions (MNLI:
+entailment 0, neutral 1, contradiction 2; QNLI/RTE: entailment 0, not_entailment 1; others 0/1 as in the files);
+STS-B labels are floats in [0, 5]; test labels are None.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -29,6 +31,8 @@ from study.tasks.data.sources import (
     local_fingerprint,
     read_bytes,
 )
+
+log = logging.getLogger(__name__)
 
 GLUE_HUB_ID = "nyu-mll/glue"
 
@@ -115,7 +119,8 @@ GLUE_TASKS: dict[str, GlueTaskInfo] = {
         ),
         GlueTaskInfo(
             "MNLI", "mnli", 3, False, ("accuracy",), ("entailment", "neutral", "contradiction"),
-            eval_splits=("dev_matched", "dev_mismatched"), test_splits=("test_matched", "test_mismatched"),
+            eval_splits=("dev_matched", "dev_mismatched"),
+            test_splits=("test_matched", "test_mismatched", "diagnostic"),
             label_col="gold_label", label_map=_MNLI, hub_text_a="premise", hub_text_b="hypothesis",
         ),
         GlueTaskInfo(
@@ -133,6 +138,11 @@ GLUE_TASKS: dict[str, GlueTaskInfo] = {
 }
 GLUE_TASK_NAMES: tuple[str, ...] = tuple(GLUE_TASKS)
 _ALIASES = {re.sub(r"[^a-z0-9]", "", n.lower()): n for n in GLUE_TASKS}
+
+# Test splits that live outside their task's folder and hub config. The diagnostic set (AX) has no training data of
+# its own: the GLUE server scores the MNLI model's predictions on it, so it is loaded as a test split of MNLI.
+_OWN_FILE = {"diagnostic": "diagnostic/diagnostic.tsv"}  # split -> file under glue/
+_OWN_HUB = {"diagnostic": ("ax", "test")}  # split -> (hub config, hub split)
 
 
 def glue_task_info(task: str) -> GlueTaskInfo:
@@ -217,7 +227,7 @@ def read_glue_tsv(info: GlueTaskInfo, path: Path, split: str) -> tuple[list[Glue
     """Parse one GLUE TSV file (csv.QUOTE_NONE, BOM tolerated, headerless CoLA train/dev). Returns examples, sha256."""
     data, digest = read_bytes(path)
     text = decode_utf8(path, data, bom=True)  # utf-8-sig: MRPC train/dev start with a BOM
-    is_test = split.startswith("test")
+    is_test = split in info.test_splits
     reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE, strict=False)
     headerless = info.headerless_columns is not None and not is_test
     if headerless:
@@ -263,17 +273,13 @@ def read_glue_tsv(info: GlueTaskInfo, path: Path, split: str) -> tuple[list[Glue
     return examples, digest
 
 
-def _split_file(split: str) -> str:
-    return f"{split}.tsv"
+def _split_file(info: GlueTaskInfo, split: str) -> str:
+    return _OWN_FILE.get(split, f"{info.name}/{split}.tsv")
 
 
 def _local_files(info: GlueTaskInfo, splits: Sequence[str], required: set[str]) -> dict[str, LocalFile]:
     return {
-        s: LocalFile(
-            display=f"{info.name}/{_split_file(s)}",
-            candidates=(f"{info.name}/{_split_file(s)}",),
-            required=s in required,
-        )
+        s: LocalFile(display=_split_file(info, s), candidates=(_split_file(info, s),), required=s in required)
         for s in splits
     }
 
@@ -290,23 +296,37 @@ def _glue_local(info: GlueTaskInfo, splits: Sequence[str], local: LocalFiles) ->
     return GlueTask(info, out, fp, tuple(skipped))
 
 
-def _glue_hub(info: GlueTaskInfo, splits: Sequence[str], revision: str) -> GlueTask:
-    ds = hub_load_dataset(GLUE_HUB_ID, info.hub_config, revision)
-    out = {}
+def _glue_hub(info: GlueTaskInfo, splits: Sequence[str], required: set[str], revision: str) -> GlueTask:
+    configs: dict[str, Any] = {}  # hub config -> its loaded DatasetDict (MNLI's diagnostic split is config "ax")
+
+    def hub_split(split: str) -> tuple[str, Any]:
+        config, name = _OWN_HUB.get(split, (info.hub_config, split.replace("dev", "validation")))
+        if config not in configs:
+            configs[config] = hub_load_dataset(GLUE_HUB_ID, config, revision)
+        if name not in configs[config]:
+            raise HubUnavailable(f"{GLUE_HUB_ID}/{config}: no split {name!r}")
+        return config, configs[config][name]
+
+    out, skipped = {}, []
     for s in splits:
-        hub_split = s.replace("dev", "validation")
-        if hub_split not in ds:
-            raise HubUnavailable(f"{GLUE_HUB_ID}/{info.hub_config}: no split {hub_split!r}")
-        d = ds[hub_split]
+        try:
+            config, d = hub_split(s)
+        except HubUnavailable as e:
+            if s in required:
+                raise
+            # an optional test split (e.g. the diagnostic set, a second download) must not cost the task
+            log.warning("GLUE %s: split %r not loaded from the hub; skipped (%s)", info.name, s, e)
+            skipped.append(s)
+            continue
         cols = d.column_names
         needed = [info.hub_text_a, "label", "idx"] + ([info.hub_text_b] if info.hub_text_b else [])
         if any(c not in cols for c in needed):
-            raise HubUnavailable(f"{GLUE_HUB_ID}/{info.hub_config}: expected columns {needed}, got {cols}")
+            raise HubUnavailable(f"{GLUE_HUB_ID}/{config}: expected columns {needed}, got {cols}")
         a = d[info.hub_text_a]
         b = d[info.hub_text_b] if info.hub_text_b else [None] * len(a)
         labels = d["label"]
         idxs = d["idx"]
-        is_test = s.startswith("test")
+        is_test = s in info.test_splits
 
         def conv(lab: Any, is_test: bool = is_test) -> int | float | None:
             if is_test or lab is None or lab == -1:
@@ -315,7 +335,7 @@ def _glue_hub(info: GlueTaskInfo, splits: Sequence[str], revision: str) -> GlueT
 
         out[s] = [GlueExample(ta, tb, conv(lab), int(i)) for ta, tb, lab, i in zip(a, b, labels, idxs)]
     fp = hub_fingerprint(DatasetSource("glue", ("glue",), GLUE_HUB_ID, info.hub_config), revision, task=info.name)
-    return GlueTask(info, out, fp)
+    return GlueTask(info, out, fp, tuple(skipped))
 
 
 def load_glue(
@@ -325,8 +345,9 @@ def load_glue(
 
     task: "CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE" or "WNLI" (case and dashes ignored).
     Local files: `glue/<Task>/{train,dev,test}.tsv` (MNLI: `dev_matched.tsv`, `dev_mismatched.tsv`,
-    `test_matched.tsv`, `test_mismatched.tsv`), as written by GLUE's `download_glue_data.py` (a `glue_data/`
-    folder, or `data_dir` pointing at it, also works). Hub fallback: `nyu-mll/glue`.
+    `test_matched.tsv`, `test_mismatched.tsv`; its "diagnostic" split is `glue/diagnostic/diagnostic.tsv`), as
+    written by GLUE's `download_glue_data.py` (a `glue_data/` folder, or `data_dir` pointing at it, also works).
+    Hub fallback: `nyu-mll/glue`.
     splits: which splits to load. Default: train and the dev split(s) are required, test splits are loaded when
     present (else listed in `unavailable_splits`). Splits named explicitly are all required.
     Raises DatasetUnavailable (naming the missing files and the hub id) if a required file is missing and the hub
@@ -353,7 +374,7 @@ def load_glue(
         _local_files(info, wanted, required),
         data_dir,
         lambda local: _glue_local(info, wanted, local),
-        lambda rev: _glue_hub(info, wanted, rev),
+        lambda rev: _glue_hub(info, wanted, required, rev),
     )
 
 
