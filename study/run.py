@@ -28,7 +28,7 @@ import torch
 from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text, read_json
 from study.model.accounting import cost_summary
-from study.tasks.registry import predicted_fraction
+from study.tasks import registry  # cheap: it imports a task family on first use
 
 log = logging.getLogger(__name__)
 FINISHED = ("completed", "diverged")
@@ -99,9 +99,7 @@ def run_experiment(
 
     A task family with a suite runner (GLUE: several tasks and seeds) hands the experiment to it; the runner
     calls `run_single` once per sub-run and writes the combined run directory."""
-    from study.tasks.registry import suite_runner
-
-    runner = suite_runner(cfg.task.name)
+    runner = registry.suite_runner(cfg.task.name)
     if runner is not None:
         return runner(cfg, run_dir, data_dir=data_dir, cache_dir=cache_dir, force=force)
     return run_single(cfg, run_dir, data_dir=data_dir, cache_dir=cache_dir, force=force)
@@ -124,7 +122,6 @@ def run_single(
     from lightning.pytorch.loggers import CSVLogger
 
     from study.environment import snapshot
-    from study.tasks.registry import task_family
 
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.json"
@@ -139,7 +136,7 @@ def run_single(
             return metrics
 
     started = time.time()
-    DataModule, Module = task_family(cfg.task.name)
+    DataModule, Module = registry.task_family(cfg.task.name)
     cache_dir = Path(cache_dir) if cache_dir is not None else Path(os.environ.get("STUDY_CACHE_DIR", ".cache/study"))
     dm = DataModule(cfg, data_dir=data_dir, cache_dir=cache_dir / "tokenizers")
     dm.prepare()  # data and tokenizer errors surface here, before any model is built
@@ -217,7 +214,7 @@ def run_single(
         "train_tokens": module.train_tokens,
         "metrics": final,
         "cost": {
-            **cost_summary(cfg.model, seq_len, bytes_per_element, predicted_fraction(cfg)),
+            **cost_summary(cfg.model, seq_len, bytes_per_element, registry.predicted_fraction(cfg)),
             "train_tokens_per_s": module.throughput(),
             "peak_memory_bytes": peak_memory_bytes(),
             "fit_seconds": fit_seconds,
