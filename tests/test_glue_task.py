@@ -164,6 +164,29 @@ def test_long_pairs_are_truncated_longest_first(data, tmp_path):
     assert len(ids) == 16 and ids[-1] == SEP
 
 
+def test_training_stream_is_length_grouped_covers_each_epoch_and_reshuffles(data, tmp_path):
+    def stream(seed=0):
+        cfg = glue_cfg(dataset="SST-2")
+        dm = GlueDataModule(cfg.replace(train=cfg.train.replace(seed=seed)), data_dir=data, cache_dir=tmp_path)
+        dm.prepare()
+        return dm
+
+    def rows(batch):  # (input ids without padding, label) of every example in a batch
+        ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
+        return [(tuple(t for t in x if t != 0), y) for x, y in zip(ids, labels)]
+
+    dm = stream()
+    per_epoch = 48 // 8
+    epoch0 = [rows(dm._train_batch(i)) for i in range(per_epoch)]
+    expected = sorted((tuple(ids), y) for (ids, _), y in zip(dm.encoded["train"], dm.labels["train"]))
+    assert sorted(r for b in epoch0 for r in b) == expected
+    epoch1 = [rows(dm._train_batch(i)) for i in range(per_epoch, 2 * per_epoch)]
+    assert sorted(r for b in epoch1 for r in b) == expected and epoch1 != epoch0
+    fresh = stream()  # batch i depends only on (seed, i): a resumed run sees the same batches
+    assert [rows(fresh._train_batch(i)) for i in (per_epoch + 2, 1)] == [epoch1[2], epoch0[1]]
+    assert [rows(stream(seed=1)._train_batch(i)) for i in range(per_epoch)] != epoch0
+
+
 def test_unavailable_tasks_are_reported_and_the_others_run(data, tmp_path):
     cfg = glue_cfg(glue_tasks=("sst2", "qnli", "mnli", "qqp"))
     cfg = cfg.replace(task=cfg.task.replace(glue_tasks=("sst2", "qnli", "qqp")))

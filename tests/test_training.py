@@ -13,7 +13,14 @@ from torch import nn
 from study.config import ExperimentConfig, ModelConfig, TaskConfig, TrainConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text
 from study.model import build_model
-from study.tasks.base import StepIndexedBatches, layer_grad_norms, lr_multiplier, parameter_groups, seeded_generator
+from study.tasks.base import (
+    StepIndexedBatches,
+    layer_grad_norms,
+    length_grouped_batches,
+    lr_multiplier,
+    parameter_groups,
+    seeded_generator,
+)
 
 
 def _train(**kw) -> TrainConfig:
@@ -259,6 +266,26 @@ def test_step_indexed_batches_depend_only_on_seed_and_index():
         assert torch.equal(a, b)
     assert not torch.equal(first[0], first[1])
     assert not torch.equal(make(0), torch.randint(0, 1000, (4,), generator=seeded_generator(8, 0)))
+
+
+def test_length_grouped_batches_cover_the_epoch_once_with_little_padding():
+    lengths = torch.randint(1, 129, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def fill(batches):  # real tokens / tokens after padding every batch to its longest
+        return sum(sum(lengths[j] for j in b) for b in batches) / sum(len(b) * max(lengths[j] for j in b) for b in batches)
+
+    batches = length_grouped_batches(lengths, 32, seeded_generator(0, 0), megabatch=10)
+    assert sorted(j for b in batches for j in b) == list(range(1000))
+    assert len(batches) == math.ceil(1000 / 32) and sum(len(b) < 32 for b in batches) == 1
+    perm = torch.randperm(1000, generator=seeded_generator(0, 0)).tolist()
+    random_batches = [perm[k : k + 32] for k in range(0, 1000, 32)]
+    assert fill(random_batches) < 0.6 and fill(batches) > 0.85  # measured: 0.52 and 0.90
+    again = length_grouped_batches(lengths, 32, seeded_generator(0, 0), megabatch=10)
+    other = length_grouped_batches(lengths, 32, seeded_generator(0, 1), megabatch=10)
+    assert again == batches
+    assert {frozenset(b) for b in other} != {frozenset(b) for b in batches}  # the grouping changes, not only the order
+    longest = [max(lengths[j] for j in b) for b in batches]  # batches come in random order, not short to long
+    assert longest != sorted(longest) and longest != sorted(longest, reverse=True)
 
 
 # --- atomic writes ------------------------------------------------------------------------------

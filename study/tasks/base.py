@@ -14,7 +14,7 @@ import math
 import re
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import lightning as L
 import torch
@@ -205,6 +205,23 @@ class StudyModule(L.LightningModule):
 def seeded_generator(seed: int, index: int) -> torch.Generator:
     """A generator that depends only on (seed, index)."""
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+def length_grouped_batches(lengths: Sequence[int], batch_size: int, generator: torch.Generator,
+                           megabatch: int = 50) -> list[list[int]]:
+    """One epoch of batches of similar-length examples, in random order.
+
+    Shuffle, cut into megabatches of `megabatch` batches, sort each megabatch by length, split it into batches, and
+    shuffle the batches: padding to the longest example of a batch then costs little, while which examples share a
+    batch still changes from epoch to epoch (Hugging Face Trainer's `group_by_length` uses megabatches of 50 too).
+    Every example appears exactly once; only the last batch may be short."""
+    perm = torch.randperm(len(lengths), generator=generator).tolist()
+    span = batch_size * megabatch
+    batches: list[list[int]] = []
+    for k in range(0, len(perm), span):
+        chunk = sorted(perm[k : k + span], key=lambda j: lengths[j])  # stable: ties keep their random order
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[b] for b in torch.randperm(len(batches), generator=generator).tolist()]
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -51,7 +51,7 @@ from tokenizers import Tokenizer
 from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text, read_json
 from study.model.transformer import SequenceClassificationHead
-from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
+from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, length_grouped_batches, seeded_generator
 from study.tasks.data import (
     GLUE_TASK_NAMES,
     DatasetUnavailable,
@@ -183,6 +183,7 @@ class GlueDataModule(StudyDataModule):
         super().__init__(cfg)
         self.data_dir, self.cache_dir = data_dir, cache_dir
         self.info: GlueTaskInfo = glue_task_info(cfg.task.dataset)
+        self._epoch: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), built on first use
 
     def prepare(self) -> None:
         task = self.cfg.task
@@ -220,11 +221,15 @@ class GlueDataModule(StudyDataModule):
         atomic_write(Path(run_dir) / TOKENIZER_FILE, lambda p: self.tokenizer.tokenizer.save(str(p)))
 
     def _train_batch(self, i: int) -> dict[str, torch.Tensor]:
+        """Batch i of the training stream: length-grouped (GLUE sentences range from 3 to 128 tokens, so random
+        batches padded to their longest are two-thirds padding on SST-2), reshuffled every epoch."""
         bs = self.cfg.train.batch_size
-        n_batches = math.ceil(self.n_train / bs)
-        epoch, pos = divmod(i, n_batches)
-        perm = torch.randperm(self.n_train, generator=seeded_generator(self.cfg.train.seed, -1 - epoch))
-        idx = perm[pos * bs : (pos + 1) * bs].tolist()
+        epoch, pos = divmod(i, math.ceil(self.n_train / bs))
+        if self._epoch is None or self._epoch[0] != epoch:
+            split = self.info.train_split
+            lengths = [len(ids) for ids, _ in self.encoded[split]]
+            self._epoch = (epoch, length_grouped_batches(lengths, bs, seeded_generator(self.cfg.train.seed, -1 - epoch)))
+        idx = self._epoch[1][pos]
         split = self.info.train_split
         return collate([self.encoded[split][j] for j in idx], [self.labels[split][j] for j in idx], self.info.is_regression)
 
