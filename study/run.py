@@ -122,6 +122,7 @@ def run_single(
     from lightning.pytorch.loggers import CSVLogger
 
     from study.environment import snapshot
+    from study.tasks.base import ExponentialMovingAverage
 
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.json"
@@ -180,6 +181,9 @@ def run_single(
         loggers.append(TensorBoardLogger(run_dir, name="logs", version="tb"))
     except ImportError:
         pass
+    callbacks: list = [checkpoint]
+    if t.ema_decay is not None:
+        callbacks.append(ExponentialMovingAverage(t.ema_decay))
     trainer = L.Trainer(
         max_steps=t.max_steps,
         max_time=datetime.timedelta(seconds=t.max_time_s) if t.max_time_s else None,
@@ -187,7 +191,7 @@ def run_single(
         gradient_clip_val=t.grad_clip, accumulate_grad_batches=t.accumulate,
         val_check_interval=t.eval_every * t.accumulate, check_val_every_n_epoch=None,
         limit_val_batches=t.eval_batches if t.eval_batches is not None else 1.0,
-        num_sanity_val_steps=0, logger=loggers, callbacks=[checkpoint], plugins=[_checkpoint_io()],
+        num_sanity_val_steps=0, logger=loggers, callbacks=callbacks, plugins=[_checkpoint_io()],
         enable_progress_bar=t.progress_bar, enable_model_summary=False, log_every_n_steps=t.log_every,
         default_root_dir=run_dir,
     )

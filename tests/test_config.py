@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from study.config import PRESETS, ConfigError, ModelConfig, axis_choices, parse_overrides, preset
+from study.config import PRESETS, ConfigError, ModelConfig, TrainConfig, axis_choices, parse_overrides, preset
 from study.model import ACTIVATIONS, NORMS, POSITIONS, RESIDUALS
 
 
@@ -178,3 +178,10 @@ def test_every_shipped_experiment_config_is_valid(path):
 
     cfg = ExperimentConfig.load(path)
     assert cfg.name and ExperimentConfig.from_yaml(cfg.to_yaml()) == cfg
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.0, 1.5, -0.1])
+def test_ema_decay_outside_the_open_unit_interval_is_rejected(decay):
+    with pytest.raises(ConfigError, match=r"ema_decay: must be in \(0, 1\) or null"):
+        TrainConfig(ema_decay=decay)
+    assert TrainConfig(ema_decay=0.999).ema_decay == 0.999 and TrainConfig().ema_decay is None

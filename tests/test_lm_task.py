@@ -371,6 +371,55 @@ def test_exact_resume_after_a_kill(main_run, corpus, monkeypatch):
     assert sorted(column_by_step(rows_b, "train/loss")) == [2, 5, 8, 11]  # history before the kill kept
 
 
+def test_weight_ema_is_what_is_evaluated_saved_and_resumed(main_run, corpus, monkeypatch):
+    """With train.ema_decay the model evaluated and saved is the moving average of the weights after every
+    optimizer step, its decay warming up as min(decay, (1 + n) / (10 + n)); the weights trained are untouched (the
+    same trajectory as without EMA); and a run killed after its step-6 checkpoint resumes to the same average."""
+    decay = 0.8
+    cfg = main_run["cfg"].replace(train=main_run["cfg"].train.replace(ema_decay=decay))
+    trajectory: list[dict[str, torch.Tensor]] = []
+
+    class Recording(LMModule):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            super().on_train_batch_end(outputs, batch, batch_idx)
+            trajectory.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+
+    with monkeypatch.context() as mp:
+        mp.setattr(registry, "task_family", lambda name: (LMDataModule, Recording))
+        m = run(corpus, cfg, "ema")
+    assert m["status"] == "completed" and len(trajectory) == 12
+    last_raw = torch.load(main_run["dir"] / "model.pt", weights_only=True)
+    for k, v in trajectory[-1].items():  # averaging never feeds back into training
+        assert torch.equal(v, last_raw[k]), k
+    hand = {k: v.clone() for k, v in trajectory[0].items()}
+    for n, weights in enumerate(trajectory[1:], start=1):
+        d = min(decay, (1 + n) / (10 + n))
+        for k in hand:
+            if hand[k].is_floating_point():
+                hand[k] = torch.lerp(hand[k], weights[k], 1 - d)
+    saved = torch.load(corpus["root"] / "ema" / "model.pt", weights_only=True)
+    for k in hand:
+        assert torch.allclose(saved[k], hand[k], atol=1e-6), k
+    assert not all(torch.equal(saved[k], last_raw[k]) for k in saved)
+    assert m["metrics"]["valid_ppl"] != main_run["metrics"]["metrics"]["valid_ppl"]
+
+    class KilledDuringStep9(LMModule):
+        def on_train_batch_start(self, batch, batch_idx):
+            super().on_train_batch_start(batch, batch_idx)
+            if self.global_step == 9:
+                raise Killed()
+
+    with monkeypatch.context() as mp:
+        mp.setattr(registry, "task_family", lambda name: (LMDataModule, KilledDuringStep9))
+        with pytest.raises(Killed):
+            run(corpus, cfg, "ema-resumed")
+    resumed = run(corpus, cfg, "ema-resumed")
+    assert resumed["metrics"] == m["metrics"]
+    again = torch.load(corpus["root"] / "ema-resumed" / "model.pt", weights_only=True)
+    for k in saved:
+        assert torch.equal(again[k], saved[k]), k
+
+
 def test_rerunning_a_finished_run_does_nothing(main_run, corpus, monkeypatch):
     d = main_run["dir"]
     before = {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()}

@@ -25,6 +25,9 @@ class TrainConfig(Config):
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float | None = 1.0
+    # Evaluate and save an exponential moving average of the weights instead of the last ones (Polyak & Juditsky
+    # 1992; the averaged checkpoints of Vaswani et al. 2017); None -> off. 0.999 averages over ~1,000 steps.
+    ema_decay: float | None = None
     label_smoothing: float = 0.0
     precision: str = "32-true"  # Lightning precision: 32-true on CPU, bf16-mixed where it pays
     compile: bool = False
@@ -57,6 +60,7 @@ class TrainConfig(Config):
             p.check(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
         p.check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
         p.check(self.grad_clip is None or self.grad_clip > 0, "grad_clip", "must be > 0 or null")
+        p.check(self.ema_decay is None or 0 < self.ema_decay < 1, "ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
         p.check(self.max_time_s is None or self.max_time_s > 0, "max_time_s", "must be > 0 or null")
         p.check(self.eval_batches is None or self.eval_batches >= 1, "eval_batches", "must be >= 1 or null")
         p.check(self.checkpoint_every is None or self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1 or null")

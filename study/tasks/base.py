@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import Timer, WeightAveraging
 from torch import nn
 
 from study.config import ExperimentConfig, TrainConfig
@@ -205,6 +205,22 @@ class StudyModule(L.LightningModule):
 def seeded_generator(seed: int, index: int) -> torch.Generator:
     """A generator that depends only on (seed, index)."""
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+class ExponentialMovingAverage(WeightAveraging):
+    """Lightning's weight averaging with an exponential moving average whose decay warms up as
+    min(decay, (1 + n) / (10 + n)) after n updates (as timm's ModelEmaV2 and TensorFlow's ExponentialMovingAverage
+    with num_updates): early on the average follows the weights, so no start step needs choosing, and later it
+    averages over about 1 / (1 - decay) steps. Validation and the final model (metrics, model.pt) use the average;
+    checkpoints hold both, so a resumed run continues the same average."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        super().__init__(use_buffers=False, multi_avg_fn=self._update)  # buffers are constants (no batch norm here)
+
+    def _update(self, averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor) -> None:
+        n = float(num_averaged)
+        torch._foreach_lerp_(averaged, current, 1.0 - min(self.decay, (1.0 + n) / (10.0 + n)))
 
 
 def length_grouped_batches(lengths: Sequence[int], batch_size: int, generator: torch.Generator,
