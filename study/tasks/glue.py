@@ -223,14 +223,12 @@ class GlueDataModule(StudyDataModule):
     def _train_batch(self, i: int) -> dict[str, torch.Tensor]:
         """Batch i of the training stream: length-grouped (GLUE sentences range from 3 to 128 tokens, so random
         batches padded to their longest are two-thirds padding on SST-2), reshuffled every epoch."""
-        bs = self.cfg.train.batch_size
+        bs, split = self.cfg.train.batch_size, self.info.train_split
         epoch, pos = divmod(i, math.ceil(self.n_train / bs))
         if self._epoch is None or self._epoch[0] != epoch:
-            split = self.info.train_split
             lengths = [len(ids) for ids, _ in self.encoded[split]]
             self._epoch = (epoch, length_grouped_batches(lengths, bs, seeded_generator(self.cfg.train.seed, -1 - epoch)))
         idx = self._epoch[1][pos]
-        split = self.info.train_split
         return collate([self.encoded[split][j] for j in idx], [self.labels[split][j] for j in idx], self.info.is_regression)
 
     def batches(self, split: str, batch_size: int = 128, with_labels: bool = True) -> tuple[list[dict], list[int]]:
