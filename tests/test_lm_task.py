@@ -331,22 +331,28 @@ class Killed(BaseException):
     """Stands in for SIGKILL: not an Exception, so nothing on the way up handles it."""
 
 
+class KilledDuringStep9(LMModule):
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        if self.global_step == 9:
+            raise Killed()
+
+
+def kill_during_step_9(corpus, cfg: ExperimentConfig, name: str, monkeypatch) -> None:
+    """Run `cfg` into `name` until it is killed during step 9 (after its step-6 checkpoint)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(registry, "task_family", lambda family: (LMDataModule, KilledDuringStep9))
+        with pytest.raises(Killed):
+            run(corpus, cfg, name)
+
+
 def test_exact_resume_after_a_kill(main_run, corpus, monkeypatch):
     """A run killed during step 9 (after the step-6 checkpoint, with steps 6-8 logged) and run again ends bit-identical to the
     uninterrupted 12-step run: weights, train losses, validation losses and final metrics."""
     cfg = main_run["cfg"]
     d = corpus["root"] / "resumed"
 
-    class KilledDuringStep9(LMModule):
-        def on_train_batch_start(self, batch, batch_idx):
-            super().on_train_batch_start(batch, batch_idx)
-            if self.global_step == 9:
-                raise Killed()
-
-    with monkeypatch.context() as mp:
-        mp.setattr(registry, "task_family", lambda name: (LMDataModule, KilledDuringStep9))
-        with pytest.raises(Killed):
-            run(corpus, cfg, "resumed")
+    kill_during_step_9(corpus, cfg, "resumed", monkeypatch)
     assert not (d / "metrics.json").exists() and not (d / "model.pt").exists()
     assert torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
     killed_rows = read_csv(d / "logs" / "metrics.csv")
@@ -403,16 +409,7 @@ def test_weight_ema_is_what_is_evaluated_saved_and_resumed(main_run, corpus, mon
     assert not all(torch.equal(saved[k], last_raw[k]) for k in saved)
     assert m["metrics"]["valid_ppl"] != main_run["metrics"]["metrics"]["valid_ppl"]
 
-    class KilledDuringStep9(LMModule):
-        def on_train_batch_start(self, batch, batch_idx):
-            super().on_train_batch_start(batch, batch_idx)
-            if self.global_step == 9:
-                raise Killed()
-
-    with monkeypatch.context() as mp:
-        mp.setattr(registry, "task_family", lambda name: (LMDataModule, KilledDuringStep9))
-        with pytest.raises(Killed):
-            run(corpus, cfg, "ema-resumed")
+    kill_during_step_9(corpus, cfg, "ema-resumed", monkeypatch)
     resumed = run(corpus, cfg, "ema-resumed")
     assert resumed["metrics"] == m["metrics"]
     again = torch.load(corpus["root"] / "ema-resumed" / "model.pt", weights_only=True)
