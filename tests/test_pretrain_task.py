@@ -265,10 +265,13 @@ def test_nsp_is_learned_where_the_documents_tell_apart(tmp_path):
     write_wikitext(data, (12, 6, 3))
     d = make_cfg(nsp=True).to_dict()
     d["model"].update(d_model=64, n_heads=4)
-    d["train"].update(max_steps=1000, lr=1e-3, eval_every=100000, eval_batches=None)  # 600 is on the edge
+    # One binary label per pair makes the NSP gradient noisy: at batch 8 seeds 0-5 ended at loss 0.15-0.52 after
+    # 1,000 steps and another CPU's numerics gave 0.66 (a failed CI run); at batch 32, seeds 0-11 give 0.05-0.32
+    # after 500 steps (accuracy 0.87-1.0), in the same time.
+    d["train"].update(max_steps=500, batch_size=32, lr=1e-3, eval_every=100000, eval_batches=None)
     m = run_experiment(ExperimentConfig.from_dict(d), tmp_path / "run", data_dir=data, cache_dir=tmp_path / "cache")
     r = m["metrics"]
-    assert r["valid_nsp_loss"] < 0.6 and r["valid_nsp_accuracy"] > 0.7, r  # seeds 0-3 gave 0.10-0.39 and 0.85-0.96
+    assert r["valid_nsp_loss"] < 0.6 and r["valid_nsp_accuracy"] > 0.7, r
 
 
 @pytest.mark.realdata
