@@ -492,6 +492,15 @@ def test_char_tokenizer_roundtrip_and_vocab(tmp_path):
     assert tok.decode(tok.encode("Hz")) == "H<unk>"  # <unk> is a vocabulary entry, not a skipped special token
 
 
+def test_char_tokenizer_lookup_gives_the_tokenizers_ids(tmp_path):
+    # encode() looks characters up directly; it must give what the tokenizers pipeline gives, unseen characters,
+    # newlines and non-BMP characters included, and hand text holding a special token's spelling to the pipeline
+    tok = build_tokenizer("char", ["abc de\nf😀ü"], None, ["<pad>"], tmp_path, {"t": 2})
+    for text in ("abc\n de", "zz 😀\tü\r\n", "a<pad>b<unk>c", "", "\u0130x"):
+        assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids, text
+    assert tok.encode("a<pad>b") == [tok.token_to_id("a"), 0, tok.token_to_id("b")]
+
+
 def test_bpe_roundtrip_detokenized(tmp_path):
     tok = build_tokenizer("bpe", TEXTS, 300, ["<pad>", "<s>", "</s>"], tmp_path, {"t": 1})
     assert tok.special_ids == {"<pad>": 0, "<s>": 1, "</s>": 2}
