@@ -28,24 +28,11 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
-
-
-def matmul_gflops(dtype) -> float:
-    import torch
-
-    a = torch.randn(1024, 1024, dtype=dtype)
-    b = torch.randn(1024, 1024, dtype=dtype)
-    a @ b
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < 1.0:
-        a @ b
-        n += 1
-    return 2 * 1024**3 * n / (time.perf_counter() - start) / 1e9
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 def anchor(args, work: Path, *cli: str) -> dict:
@@ -80,7 +67,9 @@ def main() -> int:
 
     import torch
 
-    rates = {"fp32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}
+    from throughput import gemm_rate  # bench/throughput.py: best-of-n square GEMM GFLOP/s
+
+    rates = {"fp32": gemm_rate(torch.float32, 1024), "bf16": gemm_rate(torch.bfloat16, 1024, reps=2)}
     precision = args.precision if args.precision != "auto" else ("bf16" if rates["bf16"] > rates["fp32"] else "fp32")
     print(f"matmul GFLOP/s {rates}; the anchor runs in {precision}", flush=True)
     bf16 = ["--bf16"] if precision == "bf16" else []
