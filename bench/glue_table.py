@@ -1,9 +1,9 @@
 """Print the README's GLUE / BERT-pretraining comparison table from the recorded runs.
 
-    python bench/glue_table.py
+    python bench/glue_table.py [--pretrain NSP_RECORD NONSP_RECORD] [--glue NSP_RECORD NONSP_RECORD]
 
 Reads bench/results/run-wikitext2-bert-{nsp,nonsp}.json (pretraining) and run-glue-from-{nsp,nonsp}.json
-(fine-tuning, mean ± sample std over seeds), plus run-glue-random-init.json when present, and sets them beside the
+(fine-tuning, mean ± sample std over seeds), or the records named by --pretrain / --glue, plus run-glue-random-init.json when present, and sets them beside the
 Hugging Face anchor (../shared/anchors/README.md, hf_glue) and BERT-base's published dev numbers
 (../shared/references/published.md: Hugging Face run_glue README, bert-base-cased, and Devlin et al. 2018 Table 5).
 Every GLUE number is on the 0-100 scale (MCC and correlations x 100).
@@ -11,6 +11,7 @@ Every GLUE number is on the 0-100 scale (MCC and correlations x 100).
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -44,8 +45,14 @@ def cell(run: dict | None, task: str, metric: str) -> str:
 
 
 def main() -> None:
-    pre = {k: load(f"wikitext2-bert-{k}") for k in ("nsp", "nonsp")}
-    ft = {k: load(f"glue-from-{k}") for k in ("nsp", "nonsp")}
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pretrain", nargs=2, default=["wikitext2-bert-nsp", "wikitext2-bert-nonsp"],
+                        metavar=("NSP", "NONSP"), help="pretraining records (bench/results/run-NAME.json)")
+    parser.add_argument("--glue", nargs=2, default=["glue-from-nsp", "glue-from-nonsp"], metavar=("NSP", "NONSP"),
+                        help="fine-tuning records from those checkpoints")
+    args = parser.parse_args()
+    pre = dict(zip(("nsp", "nonsp"), map(load, args.pretrain)))
+    ft = dict(zip(("nsp", "nonsp"), map(load, args.glue)))
     rand = load("glue-random-init")
     rcol = rand is not None  # the random-init column only when that run was recorded
     print("| | ours, MLM + NSP | ours, MLM only | " + ("ours, random init | " if rcol else "")

@@ -284,6 +284,28 @@ def test_init_from_missing_or_incompatible_fails_before_training(data, tmp_path)
     assert not (tmp_path / "c").exists()  # nothing written, nothing trained
 
 
+def test_pooling_reads_the_first_token_or_the_mean_of_the_real_tokens(pretrained):
+    from study.tasks.glue import collate, resolve_model
+
+    module = GlueModule(resolve_model(glue_cfg(dataset="sst2", init_from=str(pretrained), pooling="mean")))
+    model = module.model.eval()
+    batch = collate([([CLS, 7, 8, SEP], [0, 0, 0, 0]), ([CLS, 9, SEP], [0, 0, 0])], [1, 0], regression=False)
+    h = model(batch["input_ids"], token_type_ids=batch["token_type_ids"], padding_mask=batch["padding_mask"])
+    short_alone = model(torch.tensor([[CLS, 9, SEP]]), token_type_ids=torch.zeros(1, 3, dtype=torch.long))
+    mean = model.pooled(h, batch["padding_mask"], "mean")
+    # the padded position is left out of the mean: the short sentence pools as it does unpadded
+    torch.testing.assert_close(mean[1], model.pooled(short_alone, None, "mean")[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mean[0], torch.tanh(model.pooler(h[0].mean(0))))
+    torch.testing.assert_close(model.pooled(h, batch["padding_mask"], "cls"), torch.tanh(model.pooler(h[:, 0])))
+    assert not torch.allclose(mean, model.pooled(h, batch["padding_mask"], "cls"))
+    with pytest.raises(ConfigError, match="pooling: .*'cls', 'mean'"):
+        glue_cfg(pooling="max")
+    with pytest.raises(ConfigError, match="pooling: only applies to task.name='glue'"):
+        ExperimentConfig.from_dict({"model": {"arch": "encoder", "objective": "mlm"},
+                                    "task": {"name": "pretrain", "dataset": "wikitext-2", "vocab_size": 100,
+                                             "pooling": "mean"}})
+
+
 def test_submission_format():
     assert format_prediction(glue_task_info("rte"), 1) == "not_entailment"
     assert format_prediction(glue_task_info("mnli"), 2) == "contradiction"

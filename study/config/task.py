@@ -19,6 +19,7 @@ TOKENIZERS = ("char", "word", "bpe", "wordpiece")
 # the tokenizer each dataset is conventionally measured with
 DEFAULT_TOKENIZER = {"tinyshakespeare": "char", "wikitext-2": "word", "multi30k": "bpe"}
 LANGS = ("de", "en", "fr", "cs")
+POOLINGS = ("cls", "mean")
 
 
 def _glue_key(name: str) -> str:
@@ -54,6 +55,9 @@ class TaskConfig(Config):
     pretrained_weights: bool = True  # with init_from: false keeps its tokenizer and shape, weights start random
     finetune_seeds: tuple[int, ...] = ()  # one fine-tuning run per seed and task; empty -> (train.seed,)
     epochs: float | None = None  # glue: at most this many passes over a task's training set (max_steps caps too)
+    # glue: what the classifier's tanh pooler reads: BERT's first-token vector ("cls") or the mean of the final hidden
+    # states over the real tokens ("mean"; Reimers & Gurevych 2019 found it the better sentence vector)
+    pooling: str = "cls"
 
     def _resolve_defaults(self) -> None:
         if self.name == "glue" and _glue_key(self.dataset) in TASKS["glue"][1]:
@@ -93,8 +97,10 @@ class TaskConfig(Config):
         p.check(len(set(self.finetune_seeds)) == len(self.finetune_seeds) and all(s >= 0 for s in self.finetune_seeds),
                 "finetune_seeds", f"must be distinct seeds >= 0, got {list(self.finetune_seeds)}")
         p.check(self.epochs is None or self.epochs > 0, "epochs", f"must be > 0 or null, got {self.epochs}")
+        p.choice("pooling", self.pooling, POOLINGS)
         if self.name != "glue":
-            for name, empty in (("glue_tasks", ()), ("init_from", None), ("finetune_seeds", ()), ("epochs", None)):
+            for name, empty in (("glue_tasks", ()), ("init_from", None), ("finetune_seeds", ()), ("epochs", None),
+                                ("pooling", "cls")):
                 p.check(getattr(self, name) == empty, name, f"only applies to task.name='glue' (got {getattr(self, name)!r})")
         elif self.dataset != "glue":
             p.check(not self.glue_tasks, "glue_tasks", f"only applies to dataset='glue' (the suite), not {self.dataset!r}")

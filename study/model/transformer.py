@@ -264,8 +264,19 @@ class EncoderModel(TransformerBase):
     ) -> torch.Tensor:
         return self.encoder(input_ids, token_type_ids=token_type_ids, padding_mask=padding_mask)
 
-    def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.pooler(hidden[:, 0]))
+    def pooled(self, hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, pooling: str = "cls") -> torch.Tensor:
+        """BERT's tanh pooler over the first token ("cls") or over the mean of the real tokens ("mean")."""
+        if pooling == "cls":
+            vector = hidden[:, 0]
+        elif pooling == "mean":
+            if padding_mask is None:
+                vector = hidden.mean(1)
+            else:
+                keep = padding_mask.to(hidden.dtype).unsqueeze(-1)
+                vector = (hidden * keep).sum(1) / keep.sum(1).clamp_min(1.0)
+        else:
+            raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
+        return torch.tanh(self.pooler(vector))
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mlm_head(hidden)

@@ -22,8 +22,8 @@ A task whose data cannot be found (here QNLI's train split, MNLI, QQP) is listed
 files expected and the hub id, and the other tasks run; a single named task that is unavailable fails the run.
 
 Inputs are `[CLS] a [SEP]` or `[CLS] a [SEP] b [SEP]` with segment ids 0/1, truncated longest-first to
-`task.seq_len`; the classifier reads the tanh pooler over [CLS] (cross-entropy; mean squared error for the STS-B
-regression). With `task.init_from: RUN_DIR` (a finished pretrain run) the encoder's architecture, weights and
+`task.seq_len`; the classifier reads the tanh pooler over [CLS] (`task.pooling: cls`, BERT's) or over the mean of the
+final hidden states of the real tokens (`mean`) (cross-entropy; mean squared error for the STS-B regression). With `task.init_from: RUN_DIR` (a finished pretrain run) the encoder's architecture, weights and
 tokenizer come from there; only `model.dropout`/`attention_dropout` are taken from this config; the NSP head is
 dropped. `task.pretrained_weights: false` keeps the tokenizer and architecture and starts from random weights.
 Without `init_from`, a WordPiece vocabulary is trained on the task's training text and the model section is used.
@@ -258,7 +258,8 @@ class GlueModule(StudyModule):
 
     def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         h = self.net(batch["input_ids"], token_type_ids=batch["token_type_ids"], padding_mask=batch.get("padding_mask"))
-        return self.head(self.model.pooled(h)).float()
+        pooled = self.model.pooled(h, batch.get("padding_mask"), self.cfg.task.pooling)
+        return self.head(pooled).float()
 
     def training_loss(self, batch) -> tuple[torch.Tensor, int]:
         out = self.logits(batch)
