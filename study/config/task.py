@@ -56,7 +56,7 @@ class TaskConfig(Config):
     finetune_seeds: tuple[int, ...] = ()  # one fine-tuning run per seed and task; empty -> (train.seed,)
     epochs: float | None = None  # glue: at most this many passes over a task's training set (max_steps caps too)
     # glue: what the classifier's tanh pooler reads: BERT's first-token vector ("cls") or the mean of the final hidden
-    # states over the real tokens ("mean"; Reimers & Gurevych 2019 found it the better sentence vector)
+    # states over the real tokens ("mean", Sentence-BERT's default: Reimers & Gurevych 2019, Table 6)
     pooling: str = "cls"
 
     def _resolve_defaults(self) -> None:

@@ -23,9 +23,10 @@ files expected and the hub id, and the other tasks run; a single named task that
 
 Inputs are `[CLS] a [SEP]` or `[CLS] a [SEP] b [SEP]` with segment ids 0/1, truncated longest-first to
 `task.seq_len`; the classifier reads the tanh pooler over [CLS] (`task.pooling: cls`, BERT's) or over the mean of the
-final hidden states of the real tokens (`mean`) (cross-entropy; mean squared error for the STS-B regression). With `task.init_from: RUN_DIR` (a finished pretrain run) the encoder's architecture, weights and
-tokenizer come from there; only `model.dropout`/`attention_dropout` are taken from this config; the NSP head is
-dropped. `task.pretrained_weights: false` keeps the tokenizer and architecture and starts from random weights.
+final hidden states of the real tokens (`mean`) (cross-entropy; mean squared error for the STS-B regression).
+With `task.init_from: RUN_DIR` (a finished pretrain run) the encoder's architecture, weights and tokenizer come
+from there; only `model.dropout`/`attention_dropout` are taken from this config; the NSP head is dropped.
+`task.pretrained_weights: false` keeps the tokenizer and architecture and starts from random weights.
 Without `init_from`, a WordPiece vocabulary is trained on the task's training text and the model section is used.
 Fine-tuning steps are `min(train.max_steps, task.epochs passes)`, capped by `train.max_time_s` per (task, seed);
 warm-up is at most a tenth of the steps; with a time budget the decay follows whichever of steps and time runs out
