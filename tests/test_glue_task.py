@@ -298,6 +298,8 @@ def test_pooling_reads_the_first_token_or_the_mean_of_the_real_tokens(pretrained
     torch.testing.assert_close(mean[0], torch.tanh(model.pooler(h[0].mean(0))))
     torch.testing.assert_close(model.pooled(h, batch["padding_mask"], "cls"), torch.tanh(model.pooler(h[:, 0])))
     assert not torch.allclose(mean, model.pooled(h, batch["padding_mask"], "cls"))
+    with torch.no_grad():  # the classifier reads what task.pooling names
+        torch.testing.assert_close(module.eval().logits(batch), module.head(mean).float())
     with pytest.raises(ConfigError, match="pooling: .*'cls', 'mean'"):
         glue_cfg(pooling="max")
     with pytest.raises(ConfigError, match="pooling: only applies to task.name='glue'"):
