@@ -56,10 +56,11 @@ def pretrain_cell(run: dict | None, key: str) -> str:
 
 def main() -> None:
     columns = []  # (header, pretrain record, glue record)
-    for label, (pre_nsp, pre_mlm, ft_nsp, ft_mlm) in RECIPES.items():
-        if load(pre_nsp) or load(ft_nsp):
-            columns.append((f"ours, MLM + NSP ({label})", load(pre_nsp), load(ft_nsp)))
-            columns.append((f"ours, MLM only ({label})", load(pre_mlm), load(ft_mlm)))
+    for label, names in RECIPES.items():
+        pre_nsp, pre_mlm, ft_nsp, ft_mlm = map(load, names)
+        if pre_nsp or ft_nsp:
+            columns.append((f"ours, MLM + NSP ({label})", pre_nsp, ft_nsp))
+            columns.append((f"ours, MLM only ({label})", pre_mlm, ft_mlm))
     rand = load("glue-random-init")
     if rand is not None:
         columns.append(("ours, random init", None, rand))
