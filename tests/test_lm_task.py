@@ -326,6 +326,26 @@ def test_nan_loss_diverges_at_that_step(corpus, monkeypatch):
     assert math.isnan(float(loss[3])) and max(loss) == 3  # logged as nan, not as a stale finite value
 
 
+def test_a_run_stopped_between_written_steps_writes_its_last_step_fresh(corpus, monkeypatch):
+    # Training values are given to Lightning only on the steps it writes; a run that ends in between (a time
+    # budget: Lightning's Timer sets should_stop in on_train_batch_end, before the module's hook) still gets its
+    # last step written with that step's own values, not the previous written step's.
+    class StopAfterStep7(LMModule):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.global_step == 7:
+                self.trainer.should_stop = True
+            super().on_train_batch_end(outputs, batch, batch_idx)
+
+    monkeypatch.setattr(registry, "task_family", lambda name: (LMDataModule, StopAfterStep7))
+    cfg = make_cfg(model={"n_layers": 1}, train={"max_steps": 12, "log_every": 3, "eval_every": 100})
+    run(corpus, cfg, "stopped-early")
+    rows = read_csv(corpus["root"] / "stopped-early" / "logs" / "metrics.csv")
+    lr = column_by_step(rows, "train/lr")
+    assert sorted(lr) == [2, 5, 6] and sorted(column_by_step(rows, "train/loss")) == [2, 5, 6]
+    for step, value in lr.items():
+        assert float(value) == pytest.approx(cfg.train.lr * lr_multiplier(step, cfg.train), rel=1e-6), step
+
+
 # --- exact resume ---------------------------------------------------------------------------------
 class Killed(BaseException):
     """Stands in for SIGKILL: not an Exception, so nothing on the way up handles it."""

@@ -203,6 +203,34 @@ def test_config_validation_names_the_field():
     with pytest.raises(ConfigError, match="init_from: only applies to task.name='glue'"):
         make_cfg(init_from="runs/x")
     assert make_cfg().task.tokenizer == "wordpiece"
+    with pytest.raises(ConfigError, match="nsp_weight: must be > 0"):
+        make_cfg(nsp_weight=0.0)
+    with pytest.raises(ConfigError, match="nsp_weight: weights the NSP loss, which model.nsp=false leaves out"):
+        make_cfg(nsp=False, nsp_weight=2.0)
+    from study.config import TaskConfig
+
+    with pytest.raises(ConfigError, match="nsp_weight: only applies to task.name='pretrain'"):
+        TaskConfig(name="lm", nsp_weight=2.0)
+
+
+def test_the_loss_is_mlm_plus_the_weighted_nsp_loss(wikitext, tmp_path):
+    from study.tasks.pretrain import PretrainModule
+
+    def losses(weight: float) -> dict[str, torch.Tensor]:
+        cfg = make_cfg(nsp=True, nsp_weight=weight)
+        dm = PretrainDataModule(cfg, data_dir=wikitext, cache_dir=tmp_path)
+        dm.prepare()
+        d = cfg.to_dict()
+        d["model"].update(dm.model_overrides())
+        torch.manual_seed(0)
+        module = PretrainModule(ExperimentConfig.from_dict(d))
+        with torch.no_grad():
+            return module.losses(dm._train_batch(0))
+
+    bert, weighted = losses(1.0), losses(3.0)
+    assert torch.allclose(bert["loss"], bert["mlm_loss"] + bert["nsp_loss"])  # BERT's unweighted sum
+    assert torch.allclose(weighted["mlm_loss"], bert["mlm_loss"]) and torch.allclose(weighted["nsp_loss"], bert["nsp_loss"])
+    assert torch.allclose(weighted["loss"], bert["mlm_loss"] + 3.0 * bert["nsp_loss"])
 
 
 # --- end to end ---------------------------------------------------------------------------------------------------

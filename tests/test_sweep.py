@@ -104,6 +104,28 @@ def test_the_same_point_has_the_same_hash_in_any_sweep_and_seeds_share_it(tmp_pa
     assert len({p.point for p in a.points}) == 2
 
 
+def test_a_field_added_by_a_later_release_leaves_existing_point_hashes_unchanged():
+    # A sweep resumed after an upgrade must find its finished trials under the same run directories: a new field
+    # at its default (which keeps the old behaviour) is not part of the hash; set to anything else, it is.
+    import dataclasses
+
+    from study.config import ExperimentConfig, TaskConfig
+    from study.sweep.plan import point_hash
+
+    NewerTaskConfig = dataclasses.make_dataclass(
+        "TaskConfig", [("added_later", float, dataclasses.field(default=1.0))], bases=(TaskConfig,), frozen=True)
+    cfg = ExperimentConfig.from_dict({"name": "x", "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
+                                      "task": {"seq_len": 16}, "train": {"lr": 3e-3, "seed": 4}})
+    newer = ExperimentConfig(name=cfg.name, model=cfg.model, task=NewerTaskConfig(**cfg.task.to_dict()), train=cfg.train)
+    assert point_hash(newer) == point_hash(cfg)
+    changed = ExperimentConfig(name=cfg.name, model=cfg.model, train=cfg.train,
+                               task=NewerTaskConfig(**cfg.task.to_dict(), added_later=2.0))
+    assert point_hash(changed) != point_hash(cfg)
+    # the name and the seed never count; every other field does
+    assert point_hash(cfg.replace(name="y", train=cfg.train.replace(seed=5))) == point_hash(cfg)
+    assert point_hash(cfg.replace(train=cfg.train.replace(lr=1e-3))) != point_hash(cfg)
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"axes": {"model.not_a_field": [1, 2]}}, "not a field of model"),
     ({"axes": {"model.norm": ["rmsnorm", "foonorm"]}}, "foonorm"),

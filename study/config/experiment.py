@@ -54,6 +54,8 @@ class ExperimentConfig(Config):
         p.check(m.arch == t.arch, "model.arch", f"task {t.name!r} trains arch={t.arch!r}, got arch={m.arch!r}")
         if t.name == "pretrain" or t.name == "glue":
             p.check(m.objective == "mlm", "model.objective", f"task {t.name!r} needs objective='mlm'")
+        if t.nsp_weight != 1.0:
+            p.check(m.nsp, "task.nsp_weight", f"weights the NSP loss, which model.nsp=false leaves out (got {t.nsp_weight})")
         if t.name == "translation" and not t.joint_vocab:
             p.check(not m.tie_embeddings, "model.tie_embeddings",
                     "separate source/target vocabularies (task.joint_vocab=false) cannot share one embedding matrix; "

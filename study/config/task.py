@@ -49,6 +49,9 @@ class TaskConfig(Config):
     test_sets: tuple[str, ...] = ("test_2016_flickr", "test_2017_flickr", "test_2017_mscoco")
     # pretrain (BERT-style MLM; NSP on or off is model.nsp)
     mlm_probability: float = 0.15  # fraction of tokens selected; of those 80% [MASK], 10% random, 10% unchanged
+    # loss = MLM + nsp_weight * NSP. BERT sums them unweighted (1.0); a larger weight gives the one-label-per-pair
+    # NSP signal more of the shared encoder's gradient against the ~10 labels per pair of MLM
+    nsp_weight: float = 1.0
     # glue
     glue_tasks: tuple[str, ...] = ()  # dataset "glue": these tasks (e.g. [sst2, cola]); empty -> all nine
     init_from: str | None = None  # a pretrain run directory: its architecture, weights and tokenizer
@@ -92,6 +95,9 @@ class TaskConfig(Config):
             p.check(self.tokenizer in ("wordpiece", "bpe"), "tokenizer",
                     f"{self.name} needs a subword vocabulary ('wordpiece' or 'bpe'), got {self.tokenizer!r}")
         p.check(0 < self.mlm_probability < 1, "mlm_probability", f"must be in (0, 1), got {self.mlm_probability}")
+        p.check(self.nsp_weight > 0, "nsp_weight", f"must be > 0, got {self.nsp_weight}")
+        if self.name != "pretrain":
+            p.check(self.nsp_weight == 1.0, "nsp_weight", f"only applies to task.name='pretrain' (got {self.nsp_weight})")
         bad = [t for t in self.glue_tasks if _glue_key(t) not in GLUE_DATASETS]
         p.check(not bad, "glue_tasks", f"unknown GLUE task(s) {bad}; valid: {list(GLUE_DATASETS)} (case and dashes ignored)")
         p.check(len(set(self.finetune_seeds)) == len(self.finetune_seeds) and all(s >= 0 for s in self.finetune_seeds),

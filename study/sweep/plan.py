@@ -8,6 +8,7 @@ and is trained once.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -18,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from study.config import ConfigError, ExperimentConfig
+from study.config import Config, ConfigError, ExperimentConfig
 from study.config.experiment import set_fields
 from study.config.sweep import NOT_APPLICABLE, Axis, SweepConfig
 
@@ -83,12 +84,35 @@ class Plan:
 
 def point_hash(cfg: ExperimentConfig) -> str:
     """Content hash of everything that defines a point: the model, task and training config
-    without the experiment name and the seed."""
-    data = cfg.to_dict()
-    data.pop("name")
-    data["train"].pop("seed")
+    without the experiment name and the seed.
+
+    Fields at their declared default are left out, so a release that adds a field (whose default keeps the old
+    behaviour, as a new field's must) leaves every existing point's hash, and so its run directory, unchanged: a
+    sweep resumed after an upgrade neither repeats its finished trials nor orphans them. The other side of that
+    bargain: changing an existing field's default changes what those points mean, and needs a new field instead."""
+    data = _without_defaults(cfg)
+    data.pop("name", None)
+    data.get("train", {}).pop("seed", None)
     blob = json.dumps(data, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _without_defaults(section: Config) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, Config):
+            out[f.name] = _without_defaults(value)
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if value != default:
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[SweepConfig, Path]:

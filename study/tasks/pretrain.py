@@ -18,7 +18,8 @@ The pairs (and the document order of the packs) are rebuilt every epoch from (se
 (drawn per batch from (seed, batch), as RoBERTa): `task.mlm_probability` (15%) of the non-special tokens are
 selected; of those 80% become [MASK], 10% a random non-special token and 10% stay. The MLM loss is computed on the
 selected positions only, with the output projection fused into the cross-entropy (`study.model.loss`), so the
-(tokens, vocabulary) logits of the 85% unselected positions are never computed. Loss = MLM + NSP.
+(tokens, vocabulary) logits of the 85% unselected positions are never computed. Loss = MLM + NSP, as BERT's;
+`task.nsp_weight` scales the NSP term.
 
 The validation split is built once with fixed seeds, so every run is scored on the same inputs and masks.
 Final metrics: MLM loss / perplexity on the validation split, NSP loss / accuracy (with NSP), and the MLM loss of
@@ -338,7 +339,7 @@ class PretrainModule(StudyModule):
             logits = self.model.nsp_logits(h).float()
             out["nsp_loss"] = F.cross_entropy(logits, batch["nsp_labels"])
             out["nsp_correct"] = (logits.argmax(-1) == batch["nsp_labels"]).sum()
-        out["loss"] = out["mlm_loss"] + out.get("nsp_loss", 0.0)
+        out["loss"] = out["mlm_loss"] + self.cfg.task.nsp_weight * out.get("nsp_loss", 0.0)
         return out
 
     @staticmethod
@@ -347,10 +348,10 @@ class PretrainModule(StudyModule):
 
     def training_loss(self, batch) -> tuple[torch.Tensor, int]:
         out = self.losses(batch)
-        self.log("train/mlm_loss", out["mlm_loss"].detach(), on_step=True, on_epoch=False)
+        self.step_logs["train/mlm_loss"] = out["mlm_loss"].detach()
         if "nsp_loss" in out:
-            self.log("train/nsp_loss", out["nsp_loss"].detach(), on_step=True, on_epoch=False)
-            self.log("train/nsp_acc", out["nsp_correct"].float() / len(batch["nsp_labels"]), on_step=True, on_epoch=False)
+            self.step_logs["train/nsp_loss"] = out["nsp_loss"].detach()
+            self.step_logs["train/nsp_acc"] = out["nsp_correct"].float() / len(batch["nsp_labels"])
         return out["loss"], self._real_tokens(batch)
 
     def validation_step(self, batch, batch_idx: int) -> None:
