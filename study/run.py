@@ -28,6 +28,7 @@ import torch
 from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text, read_json
 from study.model.accounting import cost_summary
+from study.model.precision import resolve_precision
 from study.tasks import registry  # cheap: it imports a task family on first use
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,10 @@ def run_experiment(
     """Train and evaluate `cfg`, writing `run_dir`. Returns the metrics dict.
 
     A task family with a suite runner (GLUE: several tasks and seeds) hands the experiment to it; the runner
-    calls `run_single` once per sub-run and writes the combined run directory."""
+    calls `run_single` once per sub-run and writes the combined run directory.
+
+    `train.precision: auto` is resolved here, once, for this machine; the run directory's config records what ran."""
+    cfg = cfg.replace(train=cfg.train.replace(precision=resolve_precision(cfg.train.precision, cfg.train.accelerator)))
     runner = registry.suite_runner(cfg.task.name)
     if runner is not None:
         return runner(cfg, run_dir, data_dir=data_dir, cache_dir=cache_dir, force=force)

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from study.config.base import Config, Problems
 
 SCHEDULES = ("constant", "cosine", "linear", "inverse_sqrt")
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+# auto: bf16-mixed where the device multiplies bf16 natively (a CUDA GPU with bf16, a CPU with AVX-512 BF16 or AMX),
+# else 32-true; a run resolves it once and records what it ran (study.model.precision.resolve_precision).
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class TrainConfig(Config):
     # 1992; the averaged checkpoints of Vaswani et al. 2017); None -> off. 0.999 averages over ~1,000 steps.
     ema_decay: float | None = None
     label_smoothing: float = 0.0
-    precision: str = "32-true"  # Lightning precision: 32-true on CPU, bf16-mixed where it pays
+    precision: str = "32-true"  # Lightning precision, or auto (see PRECISIONS)
     compile: bool = False
     seed: int = 0
     eval_every: int = 250

@@ -10,6 +10,7 @@ implement `training_loss` and `validation_loss`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -104,6 +105,12 @@ class StudyModule(L.LightningModule):
     def net(self) -> nn.Module:
         return self._compiled if self._compiled is not None else self.model
 
+    def precision_context(self) -> contextlib.AbstractContextManager:
+        """The trainer's precision context (autocast under mixed precision) for evaluation and decoding outside
+        Lightning's own loops; nullcontext without a trainer. Take a fresh one for each `with`: Lightning's
+        mixed-precision context is a one-shot generator and cannot be entered twice."""
+        return self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
+
     # --- to implement ---------------------------------------------------------------
     def training_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
         """(mean loss, number of target tokens) for one batch."""
@@ -117,12 +124,29 @@ class StudyModule(L.LightningModule):
         t = self.cfg.train
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
         groups = parameter_groups(self, t.weight_decay)  # the LightningModule's: task heads outside the model too
-        try:  # the fused kernel is faster and exists for CPU and CUDA in recent torch
-            optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
-        except (RuntimeError, TypeError, ValueError):
+        # The fused kernel is 3-4x faster than foreach on CPU (6 against 28 ms a step for the 7.6M Multi30k model)
+        # and exists for CPU and CUDA in recent torch. Not under fp16 loss scaling: a fused step unscales inside
+        # itself, and the GradScaler must unscale before gradients are clipped.
+        optimizer = None
+        if t.precision != "16-mixed":
+            try:
+                optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
+            except (RuntimeError, TypeError, ValueError):
+                pass
+        if optimizer is None:
             optimizer = torch.optim.AdamW(groups, **kwargs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, time_aware_multiplier(t, self.training_seconds))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # bf16 autocast has no loss scaler, so the gradients are at their true scale and are clipped here. Lightning's
+        # mixed-precision plugin refuses to clip whenever the optimizer unscales in its own step (the fused AdamW),
+        # a rule that only fp16's GradScaler needs.
+        if gradient_clip_val and self.trainer.precision == "bf16-mixed":
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def training_seconds(self) -> float:
         """Wall time of training so far, from Lightning's Timer (which a resumed run restores); 0 without one."""

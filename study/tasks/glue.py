@@ -35,7 +35,6 @@ first.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
@@ -277,11 +276,10 @@ class GlueModule(StudyModule):
         self.model.eval()
         self.head.eval()
         batches, order = dm.batches(split, with_labels=False)
-        ctx = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
         flat: list = []
         for batch in batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            with ctx:
+            with self.precision_context():
                 out = self.logits(batch)
             flat += (out.squeeze(-1) if self.info.is_regression else out.argmax(-1)).tolist()
         preds: list = [None] * len(order)

@@ -9,7 +9,6 @@ reported as not applicable beyond `max_seq_len`, not crashed.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -102,7 +101,7 @@ class LMModule(StudyModule):
         total, count = 0.0, 0
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
-            with self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext():
+            with self.precision_context():
                 logits = self.net(x)
             total += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
             count += y.numel()

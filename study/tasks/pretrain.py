@@ -31,7 +31,6 @@ together with `model.pt` and `config.yaml` (`task.init_from: RUN_DIR`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import re
@@ -368,10 +367,9 @@ class PretrainModule(StudyModule):
         """MLM loss over every selected token; NSP loss and accuracy over every pair."""
         self.model.eval()
         mlm_sum, mlm_n, nsp_sum, nsp_correct, nsp_n = 0.0, 0, 0.0, 0, 0
-        ctx = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
         for batch in batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            with ctx:
+            with self.precision_context():
                 out = self.losses(batch)
             n = int(out["mlm_count"])
             mlm_sum += float(out["mlm_loss"]) * n

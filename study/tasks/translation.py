@@ -9,7 +9,6 @@ stored with each score so numbers are comparable across papers (Post 2018).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -117,8 +116,7 @@ class TranslationModule(StudyModule):
         ids = [s[: task.seq_len] for s in dm.src_tok.encode_batch(sentences)]
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         out: list[list[int]] = [[] for _ in ids]
-        ctx = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
-        with ctx:
+        with self.precision_context():
             for start in range(0, len(order), batch_size):
                 chunk = order[start : start + batch_size]
                 src = pad_batch([ids[i] or [EOS] for i in chunk]).to(self.device)

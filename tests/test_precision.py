@@ -1,0 +1,149 @@
+"""Mixed precision. `train.precision: auto` is bf16-mixed only where the hardware multiplies bf16 natively, and a run
+records what it resolved to. A bf16-mixed run of every task family trains with gradient clipping (the fused AdamW
+under autocast) and evaluates or decodes batch after batch under autocast. Tiny models: where bf16 is not native it
+is emulated, slowly but correctly."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from study.config import ConfigError, ExperimentConfig
+from study.model.accounting import kv_cache_bytes_per_token
+from study.model.precision import resolve_precision
+from study.run import run_experiment
+from test_glue_task import glue_cfg, write_glue
+from test_lm_task import make_cfg as lm_cfg
+from test_lm_task import write_corpus
+from test_pretrain_task import BASE as PRETRAIN_BASE
+from test_pretrain_task import write_wikitext
+from test_translation_task import config as translation_cfg
+from test_translation_task import write_multi30k
+
+pytestmark = pytest.mark.usefixtures("offline_hub", "one_torch_thread")
+
+
+def _hardware(monkeypatch, *, cuda: bool = False, cuda_bf16: bool = False, avx512_bf16: bool = False,
+              amx: bool = False) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+
+
+def test_auto_is_bf16_mixed_only_where_bf16_is_native(monkeypatch):
+    _hardware(monkeypatch)  # an AVX2 CPU: bf16 matmuls are emulated, ~100x slower than float32
+    assert resolve_precision("auto") == "32-true"
+    _hardware(monkeypatch, avx512_bf16=True)
+    assert resolve_precision("auto") == "bf16-mixed"
+    assert resolve_precision("auto", "cpu") == "bf16-mixed"
+    _hardware(monkeypatch, amx=True)
+    assert resolve_precision("auto") == "bf16-mixed"
+    assert resolve_precision("auto", "mps") == "32-true"
+    _hardware(monkeypatch, cuda=True, cuda_bf16=False, avx512_bf16=True)  # a pre-Ampere GPU on a bf16 CPU
+    assert resolve_precision("auto") == "32-true"
+    assert resolve_precision("auto", "cpu") == "bf16-mixed"  # the run is told to train on the CPU
+    _hardware(monkeypatch, cuda=True, cuda_bf16=True)
+    assert resolve_precision("auto", "gpu") == "bf16-mixed"
+    for explicit in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
+        assert resolve_precision(explicit) == explicit
+
+
+def test_an_unknown_precision_is_a_config_error_naming_the_choices():
+    with pytest.raises(ConfigError, match=r"train\.precision.*auto"):
+        lm_cfg(train={"precision": "fp8"})
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_run_records_what_auto_resolved_to(native, tmp_path, monkeypatch):
+    _hardware(monkeypatch, avx512_bf16=native)
+    write_corpus(tmp_path / "data")
+    cfg = lm_cfg(model={"n_layers": 1}, train={"precision": "auto", "max_steps": 2, "eval_every": 2})
+    m = run_experiment(cfg, tmp_path / "run", data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    expected = "bf16-mixed" if native else "32-true"
+    assert m["status"] == "completed"
+    assert ExperimentConfig.from_yaml((tmp_path / "run" / "config.yaml").read_text()).train.precision == expected
+    assert json.loads((tmp_path / "run" / "env.json").read_text())["precision"] == expected
+    resolved = ExperimentConfig.from_yaml((tmp_path / "run" / "config.yaml").read_text())
+    assert m["cost"]["kv_cache_bytes_per_token"] == kv_cache_bytes_per_token(resolved.model, 2 if native else 4)
+    # the same config run again on the same machine finds its finished run
+    assert run_experiment(cfg, tmp_path / "run", data_dir=tmp_path / "data", cache_dir=tmp_path / "cache") == m
+
+
+@pytest.fixture
+def clip_calls(monkeypatch):
+    """Every call of torch.nn.utils.clip_grad_norm_, with the gradient norm it left behind."""
+    real = torch.nn.utils.clip_grad_norm_
+    calls: list[dict[str, float]] = []
+
+    def spy(parameters, max_norm, *args, **kwargs):
+        parameters = list(parameters)
+        before = real(parameters, max_norm, *args, **kwargs)
+        grads = [p.grad.detach().float() for p in parameters if p.grad is not None]
+        after = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        calls.append({"before": float(before), "after": after, "max_norm": float(max_norm)})
+        return before
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    return calls
+
+
+def _bf16(cfg: ExperimentConfig, **train) -> ExperimentConfig:
+    return cfg.replace(train=cfg.train.replace(precision="bf16-mixed", **train))
+
+
+def _assert_clipped_every_step(calls: list[dict[str, float]], steps: int) -> None:
+    assert len(calls) == steps
+    assert all(c["after"] <= c["max_norm"] * 1.001 for c in calls), calls
+    assert any(c["before"] > c["max_norm"] for c in calls), "the clip never bit: the check proves nothing"
+
+
+def test_bf16_mixed_lm_clips_with_the_fused_optimizer_and_evaluates(tmp_path, clip_calls):
+    write_corpus(tmp_path / "data")
+    cfg = _bf16(lm_cfg(model={"n_layers": 1}), max_steps=4, eval_every=2, grad_clip=0.05)
+    m = run_experiment(cfg, tmp_path / "run", data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    assert m["status"] == "completed" and m["steps"] == 4
+    _assert_clipped_every_step(clip_calls, 4)
+    assert math.isfinite(m["metrics"]["valid_loss"]) and m["metrics"]["valid_ppl"] > 1
+
+
+def test_bf16_mixed_pretraining_evaluates_every_validation_batch(tmp_path, clip_calls):
+    write_wikitext(tmp_path / "data")
+    d = copy.deepcopy(PRETRAIN_BASE)
+    d["train"].update({"max_steps": 3, "eval_every": 3, "grad_clip": 0.05, "precision": "bf16-mixed"})
+    m = run_experiment(ExperimentConfig.from_dict(d), tmp_path / "run", data_dir=tmp_path / "data",
+                       cache_dir=tmp_path / "cache")
+    assert m["status"] == "completed"
+    _assert_clipped_every_step(clip_calls, 3)
+    # the final evaluation walks every validation batch under autocast (more than one: the context is re-entered)
+    assert m["metrics"]["valid_nsp_pairs"] > d["train"]["batch_size"]
+    assert 0 < m["metrics"]["valid_mlm_loss"] < 10
+
+
+def test_bf16_mixed_glue_scores_every_dev_batch(tmp_path, clip_calls):
+    write_glue(tmp_path / "data")
+    dev = tmp_path / "data" / "glue" / "SST-2" / "dev.tsv"  # 300 rows: three prediction batches of 128
+    dev.write_text("sentence\tlabel\n" + "".join(f"{'a good film' if i % 2 else 'a dull plot'} .\t{i % 2}\n"
+                                                   for i in range(300)))
+    cfg = _bf16(glue_cfg(dataset="sst2"), max_steps=3, grad_clip=0.05)
+    m = run_experiment(cfg, tmp_path / "run", data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    assert m["status"] == "completed"
+    _assert_clipped_every_step(clip_calls, 3)
+    assert 0 <= m["metrics"]["SST-2/accuracy"] <= 1
+    seed_metrics = json.loads((tmp_path / "run" / "SST-2" / "seed0" / "metrics.json").read_text())
+    assert seed_metrics["status"] == "completed"
+
+
+def test_bf16_mixed_translation_trains_and_decodes(tmp_path, clip_calls):
+    write_multi30k(tmp_path / "data")
+    cfg = _bf16(translation_cfg(), max_steps=3, eval_every=3, grad_clip=0.05)
+    m = run_experiment(cfg, tmp_path / "run", data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    assert m["status"] == "completed"
+    _assert_clipped_every_step(clip_calls, 3)
+    assert set(m["metrics"]["test_sets"]) == {"test_2016_flickr", "test_2017_flickr", "test_2017_mscoco"}
+    assert 0 <= m["metrics"]["bleu"] <= 100
