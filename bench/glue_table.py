@@ -21,8 +21,8 @@ RECIPES = {
     "128 tok x 16": ("wikitext2-bert-nsp", "wikitext2-bert-nonsp", "glue-from-nsp", "glue-from-nonsp"),
     "64 tok x 64": ("wikitext2-bert-nsp-seq64-b64", "wikitext2-bert-nonsp-seq64-b64",
                     "glue-from-nsp-seq64", "glue-from-nonsp-seq64"),
-    "64 tok x 64, bf16": ("wikitext2-bert-nsp-bf16", "wikitext2-bert-nonsp-bf16",
-                          "glue-from-nsp-bf16", "glue-from-nonsp-bf16"),
+    "64 tok x 64, Zen 4 bf16": ("wikitext2-bert-nsp-bf16", "wikitext2-bert-nonsp-bf16",
+                                "glue-from-nsp-bf16", "glue-from-nonsp-bf16"),
 }
 # (task, metric, label)
 ROWS = [("SST-2", "accuracy", "SST-2 acc"), ("CoLA", "mcc", "CoLA MCC"), ("MRPC", "f1", "MRPC F1"),

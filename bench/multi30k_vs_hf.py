@@ -101,7 +101,10 @@ def main() -> int:
     if not args.skip_ours:
         name = "multi30k-de-en-vs-hf"
         cmd = [sys.executable, str(ROOT / "bench" / "record_run.py"), args.config, "--data-dir", str(args.data_dir),
-               "--set", f"train.max_time_s={args.budget_s}", "--set", f"name={name}", "--set", "train.progress_bar=false"]
+               "--set", f"train.max_time_s={args.budget_s}", "--set", f"name={name}",
+               "--set", "train.progress_bar=false",
+               # the anchor's precision on both sides (the config's `auto` would decide by CPU flags on its own)
+               "--set", f"train.precision={'bf16-mixed' if bf16 else '32-true'}"]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
         ours = json.loads((ROOT / "bench" / "results" / f"run-{name}.json").read_text())

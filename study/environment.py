@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from study.model.precision import native_bf16
+
 PACKAGES = ("torch", "lightning", "optuna", "tokenizers", "datasets", "sacrebleu", "transformers", "numpy", "pandas")
 
 
@@ -57,5 +59,7 @@ def snapshot(precision: str | None = None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "precision": precision,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # e.g. AVX2, AVX512
+        "native_bf16": native_bf16(),
         "attention_kernels": attention_kernels(),
     }

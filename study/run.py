@@ -37,7 +37,20 @@ DATA_DECIDED_MODEL_FIELDS = ("vocab_size", "pad_token_id")  # what DataModule.mo
 
 
 class RunDirConflict(RuntimeError):
-    pass
+    @classmethod
+    def between(cls, run_dir: str | Path, stored: ExperimentConfig, cfg: ExperimentConfig) -> RunDirConflict:
+        """The error for a run directory holding `stored` when `cfg` was asked for, naming the fields that differ
+        (e.g. `train.precision` when a run started with `auto` meets a machine where it resolves otherwise)."""
+        def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for key, value in d.items():
+                out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+            return out
+
+        a, b = flat(stored.to_dict()), flat(cfg.to_dict())
+        diff = "; ".join(f"{k}: {a.get(k)!r} there, {b.get(k)!r} here" for k in sorted(set(a) | set(b))
+                         if a.get(k) != b.get(k))
+        return cls(f"{run_dir} holds a run of a different config ({diff}); choose another directory or --force")
 
 
 def _checkpoint_io():
@@ -135,8 +148,10 @@ def run_single(
         metrics = read_json(metrics_path)
         if metrics.get("status") in FINISHED:
             # never hand back another config's results as this one's
-            if config_path.exists() and not _same_experiment(ExperimentConfig.from_yaml(config_path.read_text()), cfg):
-                raise RunDirConflict(f"{run_dir} holds a run of a different config; choose another directory or --force")
+            stored = ExperimentConfig.from_yaml(config_path.read_text()) if config_path.exists() else None
+            if stored is not None and not _same_experiment(stored, cfg):
+                decided = {k: getattr(stored.model, k) for k in DATA_DECIDED_MODEL_FIELDS}
+                raise RunDirConflict.between(run_dir, stored, cfg.replace(model=cfg.model.replace(**decided)))
             log.info("%s already finished (%s); nothing to do", run_dir, metrics["status"])
             return metrics
 
@@ -150,7 +165,7 @@ def run_single(
     if config_path.exists() and not force:
         previous = ExperimentConfig.from_yaml(config_path.read_text())
         if previous != cfg:
-            raise RunDirConflict(f"{run_dir} holds a run of a different config; choose another directory or --force")
+            raise RunDirConflict.between(run_dir, previous, cfg)
     if _launch_rank() == 0:  # under DDP every rank runs this function; one writes the files
         atomic_write_text(config_path, cfg.to_yaml())
         atomic_write_json(run_dir / "env.json", snapshot(cfg.train.precision))

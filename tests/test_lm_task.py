@@ -454,8 +454,8 @@ def test_a_different_config_in_the_same_directory_conflicts(main_run, corpus):
     d = main_run["dir"]
     before = {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()}
     other = make_cfg(train={"lr": 1e-3})
-    # a finished run of another config: its metrics are not returned as this config's
-    with pytest.raises(RunDirConflict, match="different config"):
+    # a finished run of another config: its metrics are not returned as this config's; the error names the field
+    with pytest.raises(RunDirConflict, match=r"different config \(train\.lr: 0\.003 there, 0\.001 here\)"):
         run(corpus, other, "main")
     assert {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()} == before
 
@@ -463,7 +463,7 @@ def test_a_different_config_in_the_same_directory_conflicts(main_run, corpus):
     unfinished = corpus["root"] / "unfinished"
     unfinished.mkdir()
     (unfinished / "config.yaml").write_text((d / "config.yaml").read_text())
-    with pytest.raises(RunDirConflict, match="different config"):
+    with pytest.raises(RunDirConflict, match=r"different config \(train\.lr: 0\.003 there, 0\.001 here\)"):
         run(corpus, other, "unfinished")
     assert sorted(p.name for p in unfinished.iterdir()) == ["config.yaml"]
 

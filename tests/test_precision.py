@@ -31,7 +31,9 @@ pytestmark = pytest.mark.usefixtures("offline_hub", "one_torch_thread")
 def _hardware(monkeypatch, *, cuda: bool = False, cuda_bf16: bool = False, avx512_bf16: bool = False,
               amx: bool = False) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda_bf16)
+    # torch's default, including_emulation=True, also says yes on a pre-Ampere GPU (it can store bf16)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: cuda_bf16 or including_emulation)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
 
@@ -52,6 +54,14 @@ def test_auto_is_bf16_mixed_only_where_bf16_is_native(monkeypatch):
     assert resolve_precision("auto", "gpu") == "bf16-mixed"
     for explicit in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
         assert resolve_precision(explicit) == explicit
+
+
+def test_16_mixed_on_a_cpu_is_recorded_as_the_bf16_lightning_runs(monkeypatch):
+    _hardware(monkeypatch)
+    assert resolve_precision("16-mixed") == "bf16-mixed"
+    assert resolve_precision("16-mixed", "cpu") == "bf16-mixed"
+    _hardware(monkeypatch, cuda=True, cuda_bf16=True)
+    assert resolve_precision("16-mixed") == "16-mixed"
 
 
 def test_an_unknown_precision_is_a_config_error_naming_the_choices():
@@ -77,16 +87,13 @@ def test_a_run_records_what_auto_resolved_to(native, tmp_path, monkeypatch):
 
 @pytest.fixture
 def clip_calls(monkeypatch):
-    """Every call of torch.nn.utils.clip_grad_norm_, with the gradient norm it left behind."""
+    """Every call of torch.nn.utils.clip_grad_norm_: the gradient norm it found and the bound."""
     real = torch.nn.utils.clip_grad_norm_
     calls: list[dict[str, float]] = []
 
     def spy(parameters, max_norm, *args, **kwargs):
-        parameters = list(parameters)
         before = real(parameters, max_norm, *args, **kwargs)
-        grads = [p.grad.detach().float() for p in parameters if p.grad is not None]
-        after = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-        calls.append({"before": float(before), "after": after, "max_norm": float(max_norm)})
+        calls.append({"before": float(before), "max_norm": float(max_norm)})
         return before
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
@@ -98,17 +105,18 @@ def _bf16(cfg: ExperimentConfig, **train) -> ExperimentConfig:
 
 
 def _assert_clipped_every_step(calls: list[dict[str, float]], steps: int) -> None:
-    assert len(calls) == steps
-    assert all(c["after"] <= c["max_norm"] * 1.001 for c in calls), calls
+    assert len(calls) == steps  # once per optimizer step, with the configured bound
     assert any(c["before"] > c["max_norm"] for c in calls), "the clip never bit: the check proves nothing"
 
 
 def test_bf16_mixed_lm_clips_with_the_fused_optimizer_and_evaluates(tmp_path, clip_calls):
     write_corpus(tmp_path / "data")
-    cfg = _bf16(lm_cfg(model={"n_layers": 1}), max_steps=4, eval_every=2, grad_clip=0.05)
+    cfg = _bf16(lm_cfg(model={"n_layers": 1}), max_steps=4, eval_every=2, checkpoint_every=2, grad_clip=0.05)
     m = run_experiment(cfg, tmp_path / "run", data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
     assert m["status"] == "completed" and m["steps"] == 4
     _assert_clipped_every_step(clip_calls, 4)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["optimizer_states"][0]["param_groups"][0]["fused"] is True  # the fast kernel was kept
     assert math.isfinite(m["metrics"]["valid_loss"]) and m["metrics"]["valid_ppl"] > 1
 
 

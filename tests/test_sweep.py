@@ -136,6 +136,8 @@ def test_a_field_added_by_a_later_release_leaves_existing_point_hashes_unchanged
     ({"design": "random"}, "design"),
     ({"axes": {"window": {"field": "model.window", "values": [4], "when": {"span": "local"}}}}, "not another axis"),
     ({"exclude": [{"norm_position": "pre"}, {"norm_position": "post"}]}, "no points"),
+    # auto resolves per machine, and the workers of one sweep may differ: a point must name its precision
+    ({"axes": {"train.precision": ["32-true", "auto"]}}, "precision: auto"),
 ])
 def test_a_malformed_spec_fails_with_one_clear_error_before_anything_runs(tmp_path, fields, message):
     path = write_spec(tmp_path, **fields)

@@ -94,7 +94,7 @@ def beam_search(
     memory = model.encode(src, src_mask)
     dec = _Decoder(model, memory.index_select(0, rows), None if src_mask is None else src_mask.index_select(0, rows), use_cache)
     prefix = torch.full((n * k, 1), bos, dtype=torch.long, device=device)
-    scores = torch.zeros(n, k, device=device)
+    scores = torch.zeros(n, k, device=device, dtype=torch.float32)  # summed log-probs: never in bf16 (bf16-true)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(n)]
     done = [False] * n
@@ -109,7 +109,7 @@ def beam_search(
         cand = (scores[:, :, None] + logp.view(n, k, vocab)).view(n, k * vocab)
         top_scores, top_ids = cand.topk(2 * k, dim=1)  # 2k so k survive even if k end in EOS
         beam_of, token_of = top_ids // vocab, top_ids % vocab
-        new_scores = torch.full((n, k), float("-inf"), device=device)
+        new_scores = torch.full((n, k), float("-inf"), device=device, dtype=torch.float32)
         new_rows = torch.zeros(n, k, dtype=torch.long, device=device)
         new_tokens = torch.full((n, k), eos, dtype=torch.long, device=device)
         ts, bs, tk = top_scores.tolist(), beam_of.tolist(), token_of.tolist()

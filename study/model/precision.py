@@ -23,7 +23,10 @@ def native_bf16(accelerator: str = "auto") -> bool:
     CPU with AVX-512 BF16 or AMX. Elsewhere bf16 matmuls are emulated, about 100x slower than float32 on an AVX2 CPU
     (0.9 against 129 GFLOP/s for a 1024^3 GEMM, measured on this project's earlier CI machine)."""
     if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
+        try:  # without including_emulation=False a pre-Ampere GPU (V100, T4) answers True: it can *store* bf16
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch < 2.4
+            return torch.cuda.get_device_capability() >= (8, 0)
     if accelerator not in ("auto", "cpu"):
         return False  # mps: bf16 autocast is partial there
     cpu = getattr(torch, "cpu", None)
@@ -32,7 +35,11 @@ def native_bf16(accelerator: str = "auto") -> bool:
 
 
 def resolve_precision(precision: str, accelerator: str = "auto") -> str:
-    """The Lightning precision a run uses: `auto` becomes `bf16-mixed` where bf16 is native, else `32-true`."""
+    """The Lightning precision a run uses: `auto` becomes `bf16-mixed` where bf16 is native, else `32-true`; `16-mixed`
+    on a CPU becomes `bf16-mixed`, which is what Lightning runs there (CPU autocast has no float16)."""
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if precision == "16-mixed" and on_cpu:
+        return "bf16-mixed"
     if precision != "auto":
         return precision
     return "bf16-mixed" if native_bf16(accelerator) else "32-true"

@@ -217,6 +217,10 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
         except ConfigError as err:
             plan.invalid.append((label, err.problems))
             continue
+        if cfg.train.precision == "auto":  # the seeds of a point share a run directory, whichever worker runs them
+            plan.invalid.append((label, ["train.precision: auto resolves on each machine, and a sweep's workers may "
+                                         "differ: name it (32-true, bf16-mixed, ...)"]))
+            continue
         digest = point_hash(cfg)
         if digest in seen:  # e.g. a variant that equals the baseline
             plan.duplicates.append((label, seen[digest]))

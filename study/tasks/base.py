@@ -144,7 +144,10 @@ class StudyModule(L.LightningModule):
         # a rule that only fp16's GradScaler needs.
         if gradient_clip_val and self.trainer.precision == "bf16-mixed":
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+            if gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

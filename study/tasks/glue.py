@@ -364,8 +364,9 @@ def run_glue(
     def same(stored: ExperimentConfig | None) -> bool:  # the vocabulary size is decided by the data
         return stored is None or stored == cfg.replace(model=cfg.model.replace(vocab_size=stored.model.vocab_size))
 
-    if not force and config_path.exists() and not same(stored_cfg()):
-        raise RunDirConflict(f"{run_dir} holds a run of a different config; choose another directory or --force")
+    if not force and config_path.exists() and not same(stored := stored_cfg()):
+        asked = cfg.replace(model=cfg.model.replace(vocab_size=stored.model.vocab_size))
+        raise RunDirConflict.between(run_dir, stored, asked)
     if not force and metrics_path.exists() and read_json(metrics_path).get("status") in FINISHED:
         log.info("%s already finished; nothing to do", run_dir)
         return read_json(metrics_path)
