@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from study.config.base import Config, Problems
 
 SCHEDULES = ("constant", "cosine", "linear", "inverse_sqrt")
-# auto: bf16-mixed where the device multiplies bf16 natively (a CUDA GPU with bf16, a CPU with AVX-512 BF16 or AMX),
-# else 32-true; a run resolves it once and records what it ran (study.model.precision.resolve_precision).
+# auto: bf16-mixed where the device multiplies bf16 natively (a CUDA GPU of compute capability 8.0+, a CPU with
+# AVX-512 BF16 or AMX), else 32-true; a run resolves it once and records what it ran
+# (study.model.precision.resolve_precision).
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
 
