@@ -41,15 +41,7 @@ class RunDirConflict(RuntimeError):
     def between(cls, run_dir: str | Path, stored: ExperimentConfig, cfg: ExperimentConfig) -> RunDirConflict:
         """The error for a run directory holding `stored` when `cfg` was asked for, naming the fields that differ
         (e.g. `train.precision` when a run started with `auto` meets a machine where it resolves otherwise)."""
-        def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            for key, value in d.items():
-                out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-            return out
-
-        a, b = flat(stored.to_dict()), flat(cfg.to_dict())
-        diff = "; ".join(f"{k}: {a.get(k)!r} there, {b.get(k)!r} here" for k in sorted(set(a) | set(b))
-                         if a.get(k) != b.get(k))
+        diff = "; ".join(f"{k}: {there!r} there, {here!r} here" for k, (there, here) in stored.differences(cfg).items())
         return cls(f"{run_dir} holds a run of a different config ({diff}); choose another directory or --force")
 
 
@@ -84,11 +76,11 @@ def _logged_rows_before(csv_path: Path, ckpt_path: Path) -> list[dict[str, str]]
             for row in rows if row.get("step", "").isdigit() and int(row["step"]) < step]
 
 
-def _same_experiment(stored: ExperimentConfig, cfg: ExperimentConfig) -> bool:
-    """Whether a run directory's resolved config is `cfg`, before the data is loaded: the model
-    fields the data decides (vocabulary size, padding id) are taken from the stored config."""
+def _as_stored(cfg: ExperimentConfig, stored: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` as a run directory would record it, known before the data is loaded: the model fields the data
+    decides (vocabulary size, padding id) are taken from the stored config."""
     decided = {k: getattr(stored.model, k) for k in DATA_DECIDED_MODEL_FIELDS}
-    return stored == cfg.replace(model=cfg.model.replace(**decided))
+    return cfg.replace(model=cfg.model.replace(**decided))
 
 
 def _launch_rank() -> int:
@@ -148,10 +140,10 @@ def run_single(
         metrics = read_json(metrics_path)
         if metrics.get("status") in FINISHED:
             # never hand back another config's results as this one's
-            stored = ExperimentConfig.from_yaml(config_path.read_text()) if config_path.exists() else None
-            if stored is not None and not _same_experiment(stored, cfg):
-                decided = {k: getattr(stored.model, k) for k in DATA_DECIDED_MODEL_FIELDS}
-                raise RunDirConflict.between(run_dir, stored, cfg.replace(model=cfg.model.replace(**decided)))
+            if config_path.exists():
+                stored = ExperimentConfig.from_yaml(config_path.read_text())
+                if stored != (asked := _as_stored(cfg, stored)):
+                    raise RunDirConflict.between(run_dir, stored, asked)
             log.info("%s already finished (%s); nothing to do", run_dir, metrics["status"])
             return metrics
 

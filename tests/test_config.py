@@ -185,3 +185,15 @@ def test_ema_decay_outside_the_open_unit_interval_is_rejected(decay):
     with pytest.raises(ConfigError, match=r"ema_decay: must be in \(0, 1\) or null"):
         TrainConfig(ema_decay=decay)
     assert TrainConfig(ema_decay=0.999).ema_decay == 0.999 and TrainConfig().ema_decay is None
+
+
+def test_differences_name_each_differing_field_with_its_section():
+    from study.config import ExperimentConfig
+
+    base = ExperimentConfig.from_dict({"model": {"d_model": 64}, "train": {"lr": 3e-3}})
+    other = base.replace(train=base.train.replace(lr=1e-3, precision="bf16-mixed"),
+                         model=base.model.replace(d_model=32))
+    assert base.differences(base) == {}
+    assert base.differences(other) == {"model.d_model": (64, 32), "train.lr": (3e-3, 1e-3),
+                                       "train.precision": ("32-true", "bf16-mixed")}
+    assert other.differences(base)["train.lr"] == (1e-3, 3e-3)

@@ -126,6 +126,17 @@ class Config:
     def _validate(self, problems: Problems) -> None:
         """Add a problem for every invalid field or combination."""
 
+    def differences(self, other: Config) -> dict[str, tuple[Any, Any]]:
+        """`field` (`section.field` in nested configs) -> (this value, `other`'s) wherever the two differ."""
+        out: dict[str, tuple[Any, Any]] = {}
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name, None)
+            if isinstance(mine, Config) and isinstance(theirs, Config):
+                out.update({f"{f.name}.{k}": v for k, v in mine.differences(theirs).items()})
+            elif mine != theirs:
+                out[f.name] = (mine, theirs)
+        return out
+
     # Serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

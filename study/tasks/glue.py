@@ -358,15 +358,11 @@ def run_glue(
     seeds = list(cfg.task.finetune_seeds or (cfg.train.seed,))
     metrics_path, config_path = run_dir / "metrics.json", run_dir / "config.yaml"
 
-    def stored_cfg() -> ExperimentConfig | None:
-        return ExperimentConfig.from_yaml(config_path.read_text()) if config_path.exists() else None
-
-    def same(stored: ExperimentConfig | None) -> bool:  # the vocabulary size is decided by the data
-        return stored is None or stored == cfg.replace(model=cfg.model.replace(vocab_size=stored.model.vocab_size))
-
-    if not force and config_path.exists() and not same(stored := stored_cfg()):
-        asked = cfg.replace(model=cfg.model.replace(vocab_size=stored.model.vocab_size))
-        raise RunDirConflict.between(run_dir, stored, asked)
+    if not force and config_path.exists():
+        stored = ExperimentConfig.from_yaml(config_path.read_text())
+        asked = cfg.replace(model=cfg.model.replace(vocab_size=stored.model.vocab_size))  # decided by the data
+        if stored != asked:
+            raise RunDirConflict.between(run_dir, stored, asked)
     if not force and metrics_path.exists() and read_json(metrics_path).get("status") in FINISHED:
         log.info("%s already finished; nothing to do", run_dir)
         return read_json(metrics_path)
