@@ -264,6 +264,46 @@ def test_config_errors_name_the_field():
     assert glue_cfg(dataset="SST-2").task.dataset == "sst2"
 
 
+def test_per_task_settings_are_checked_when_the_config_is_built():
+    cfg = glue_cfg(per_task={"CoLA": {"train.lr": 1e-4, "task.epochs": 6}, "STS-B": {"task.pooling": "mean"}})
+    assert cfg.task.per_task == {"cola": {"train.lr": 1e-4, "task.epochs": 6}, "stsb": {"task.pooling": "mean"}}
+    cola, sst = cfg.for_glue_task("CoLA"), cfg.for_glue_task("SST-2")
+    assert (cola.train.lr, cola.task.epochs, cola.task.per_task) == (1e-4, 6, {})
+    assert (sst.train.lr, sst.task.epochs, sst.task.pooling) == (cfg.train.lr, cfg.task.epochs, "cls")
+    assert cfg.for_glue_task("stsb").task.pooling == "mean"
+    assert ExperimentConfig.from_yaml(cfg.to_yaml()) == cfg
+    for per_task, message in (
+        ({"squad": {"train.lr": 1e-4}}, r"per_task: unknown GLUE task\(s\) \['squad'\]"),
+        ({"cola": {"train.seed": 3}}, r"per_task.cola: 'train.seed' cannot be set per task.*finetune_seeds"),
+        ({"cola": {"task.dataset": "sst2"}}, r"per_task.cola: 'task.dataset' cannot be set per task"),
+        ({"cola": {"model.dropout": 0.2}}, r"per_task.cola: 'model.dropout' cannot be set per task"),
+        ({"cola": {"train.lr": "fast"}}, r"task.per_task.cola: train.lr: 'fast' is not a valid float"),
+        ({"cola": {"train.warmup": 3}}, r"task.per_task.cola: train.warmup: unknown field"),
+        ({"cola": {"task.epochs": -1}}, r"task.per_task.cola: .*epochs: must be > 0"),
+        (["cola"], r"per_task: must map GLUE task names"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            glue_cfg(per_task=per_task)
+    with pytest.raises(ConfigError, match=r"per_task: only applies to task.name='glue'"):
+        ExperimentConfig.from_dict({"task": {"per_task": {"cola": {"train.lr": 1e-4}}}})
+
+
+def test_per_task_settings_apply_to_that_task_only(data, pretrained, tmp_path):
+    cfg = glue_cfg(glue_tasks=("sst2", "cola"), init_from=str(pretrained), epochs=1,
+                   per_task={"CoLA": {"train.lr": 3e-4, "task.epochs": 2, "train.warmup_steps": 0}})
+    cfg = cfg.replace(train=cfg.train.replace(max_steps=100))
+    run = tmp_path / "ft"
+    m = run_experiment(cfg, run, data_dir=data, cache_dir=tmp_path / "cache")
+    tasks = m["metrics"]["tasks"]
+    assert tasks["SST-2"]["seeds"]["0"]["steps"] == 6 and tasks["CoLA"]["seeds"]["0"]["steps"] == 12  # 48 / 8 a pass
+    sst = ExperimentConfig.from_yaml((run / "SST-2" / "seed0" / "config.yaml").read_text())
+    cola = ExperimentConfig.from_yaml((run / "CoLA" / "seed0" / "config.yaml").read_text())
+    assert (sst.train.lr, sst.train.max_steps, sst.train.warmup_steps) == (1e-3, 6, 0)  # warm-up: at most a tenth
+    assert (cola.train.lr, cola.train.max_steps, cola.task.epochs) == (3e-4, 12, 2)
+    assert sst.task.per_task == cola.task.per_task == {}
+    assert ExperimentConfig.from_yaml((run / "config.yaml").read_text()).task.per_task == cfg.task.per_task
+
+
 def test_init_from_missing_or_incompatible_fails_before_training(data, tmp_path):
     with pytest.raises(ValueError, match="task.init_from: .* does not exist"):
         run_experiment(glue_cfg(init_from=str(tmp_path / "nope")), tmp_path / "a", data_dir=data)

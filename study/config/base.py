@@ -8,6 +8,7 @@ built. Configs round-trip through plain dicts and YAML.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from pathlib import Path
@@ -146,6 +147,8 @@ class Config:
                 v = v.to_dict()
             elif isinstance(v, tuple):
                 v = list(v)
+            elif isinstance(v, dict):
+                v = copy.deepcopy(v)  # the config stays frozen: nobody edits its mappings through the dict
             out[f.name] = v
         return out
 

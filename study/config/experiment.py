@@ -60,11 +60,24 @@ class ExperimentConfig(Config):
             p.check(not m.tie_embeddings, "model.tie_embeddings",
                     "separate source/target vocabularies (task.joint_vocab=false) cannot share one embedding matrix; "
                     "set model.tie_embeddings=false or task.joint_vocab=true")
+        for task in t.per_task:
+            try:
+                self.for_glue_task(task)
+            except ConfigError as err:
+                p.add(f"task.per_task.{task}", "; ".join(err.problems))
         if m.position == "learned":
             longest = t.seq_len + (2 if t.name == "translation" else 0)  # BOS/EOS around a sentence
             p.check(longest <= m.max_seq_len, "task.seq_len",
                     f"{t.seq_len} (+ special tokens) exceeds model.max_seq_len={m.max_seq_len}, the length "
                     "learned positions can address; raise model.max_seq_len or shorten task.seq_len")
+
+    def for_glue_task(self, task: str) -> "ExperimentConfig":
+        """This GLUE suite's settings for one of its tasks: the task's `task.per_task` entry applied over the rest
+        (an empty `per_task` in the result; the suite's config keeps the whole mapping)."""
+        settings = self.task.per_task.get("".join(c for c in task.lower() if c.isalnum()), {})
+        data = set_fields(self.to_dict(), settings)
+        data["task"]["per_task"] = {}
+        return ExperimentConfig.from_dict(data)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "ExperimentConfig":

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from study.config.base import Config, Problems
 
@@ -20,6 +21,8 @@ TOKENIZERS = ("char", "word", "bpe", "wordpiece")
 DEFAULT_TOKENIZER = {"tinyshakespeare": "char", "wikitext-2": "word", "multi30k": "bpe"}
 LANGS = ("de", "en", "fr", "cs")
 POOLINGS = ("cls", "mean")
+# the task fields one GLUE task of a suite may set for itself (task.per_task); the rest are the suite's
+PER_TASK_FIELDS = ("epochs", "pooling", "seq_len")
 
 
 def _glue_key(name: str) -> str:
@@ -61,6 +64,10 @@ class TaskConfig(Config):
     # glue: what the classifier's tanh pooler reads: BERT's first-token vector ("cls") or the mean of the final hidden
     # states over the real tokens ("mean", Sentence-BERT's default: Reimers & Gurevych 2019, Table 6)
     pooling: str = "cls"
+    # glue: settings for single tasks of the suite, as `--set` keys, e.g. {cola: {train.lr: 1.0e-4, task.epochs: 6}};
+    # Devlin et al. (2019, A.3) choose the fine-tuning learning rate per task on dev. Only train.* (not the seed, which
+    # task.finetune_seeds gives) and the task fields in PER_TASK_FIELDS; keys are task names (case and dashes ignored)
+    per_task: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def _resolve_defaults(self) -> None:
         if self.name == "glue" and _glue_key(self.dataset) in TASKS["glue"][1]:
@@ -68,6 +75,22 @@ class TaskConfig(Config):
         if self.tokenizer is None:
             default = "wordpiece" if self.name in ("pretrain", "glue") else DEFAULT_TOKENIZER.get(self.dataset, "wordpiece")
             object.__setattr__(self, "tokenizer", default)
+        if isinstance(self.per_task, dict) and all(isinstance(v, dict) for v in self.per_task.values()):
+            object.__setattr__(self, "per_task", {_glue_key(k): dict(v) for k, v in self.per_task.items()})
+
+    def _validate_per_task(self, p: Problems) -> None:
+        """The shape of task.per_task; the values are checked where they are applied (ExperimentConfig)."""
+        if not (isinstance(self.per_task, dict) and all(isinstance(v, dict) for v in self.per_task.values())):
+            p.add("per_task", f"must map GLUE task names to {{section.field: value}} settings, got {self.per_task!r}")
+            return
+        bad = [t for t in self.per_task if t not in GLUE_DATASETS]
+        p.check(not bad, "per_task", f"unknown GLUE task(s) {bad}; valid: {list(GLUE_DATASETS)} (case and dashes ignored)")
+        for task, settings in self.per_task.items():
+            for key in settings:
+                section, _, name = str(key).partition(".")
+                ok = (section == "train" and name not in ("", "seed")) or (section == "task" and name in PER_TASK_FIELDS)
+                p.check(ok, f"per_task.{task}", f"{key!r} cannot be set per task; valid: train.FIELD (not train.seed: "
+                        f"task.finetune_seeds gives the seeds) or task.{{{','.join(PER_TASK_FIELDS)}}}")
 
     @property
     def arch(self) -> str:
@@ -104,9 +127,10 @@ class TaskConfig(Config):
                 "finetune_seeds", f"must be distinct seeds >= 0, got {list(self.finetune_seeds)}")
         p.check(self.epochs is None or self.epochs > 0, "epochs", f"must be > 0 or null, got {self.epochs}")
         p.choice("pooling", self.pooling, POOLINGS)
+        self._validate_per_task(p)
         if self.name != "glue":
             for name, empty in (("glue_tasks", ()), ("init_from", None), ("finetune_seeds", ()), ("epochs", None),
-                                ("pooling", "cls")):
+                                ("pooling", "cls"), ("per_task", {})):
                 p.check(getattr(self, name) == empty, name, f"only applies to task.name='glue' (got {getattr(self, name)!r})")
         elif self.dataset != "glue":
             p.check(not self.glue_tasks, "glue_tasks", f"only applies to dataset='glue' (the suite), not {self.dataset!r}")

@@ -28,6 +28,8 @@ With `task.init_from: RUN_DIR` (a finished pretrain run) the encoder's architect
 from there; only `model.dropout`/`attention_dropout` are taken from this config; the NSP head is dropped.
 `task.pretrained_weights: false` keeps the tokenizer and architecture and starts from random weights.
 Without `init_from`, a WordPiece vocabulary is trained on the task's training text and the model section is used.
+`task.per_task` gives single tasks their own settings (`{cola: {train.lr: 1.0e-4, task.epochs: 6}}`: any train
+field but the seed, and task.epochs, pooling, seq_len), applied over the suite's for that task's runs only.
 Fine-tuning steps are `min(train.max_steps, task.epochs passes)`, capped by `train.max_time_s` per (task, seed);
 warm-up is at most a tenth of the steps; with a time budget the decay follows whichever of steps and time runs out
 first.
@@ -385,15 +387,16 @@ def run_glue(
             continue
         fingerprints[name] = data.fingerprint
         n_train = len(data[data.train_split])
-        t = cfg.train
+        task_cfg = cfg.for_glue_task(name)  # the suite's settings with this task's task.per_task entry applied
+        t = task_cfg.train
         steps = t.max_steps
-        if cfg.task.epochs is not None:
-            steps = max(1, min(steps, math.ceil(cfg.task.epochs * n_train / (t.batch_size * t.accumulate))))
+        if task_cfg.task.epochs is not None:
+            steps = max(1, min(steps, math.ceil(task_cfg.task.epochs * n_train / (t.batch_size * t.accumulate))))
         seed_runs: dict[str, Any] = {}
         for seed in seeds:
-            sub = cfg.replace(
+            sub = task_cfg.replace(
                 name=f"{cfg.name}.{name}.seed{seed}",
-                task=cfg.task.replace(dataset=dataset_key(name), glue_tasks=(), finetune_seeds=(seed,)),
+                task=task_cfg.task.replace(dataset=dataset_key(name), glue_tasks=(), finetune_seeds=(seed,)),
                 train=t.replace(seed=seed, max_steps=steps, warmup_steps=min(t.warmup_steps, steps // 10)),
             )
             m = run_single(sub, run_dir / name / f"seed{seed}", data_dir=data_dir, cache_dir=cache_dir, force=force)
