@@ -22,7 +22,7 @@ import yaml
 from study.config.base import Config, ConfigError, Problems, parse_overrides
 from study.config.model import ModelConfig
 from study.config.presets import PRESETS
-from study.config.task import TaskConfig
+from study.config.task import TaskConfig, glue_task_key
 from study.config.train import TrainConfig
 
 SECTIONS = ("model", "task", "train")
@@ -74,7 +74,7 @@ class ExperimentConfig(Config):
     def for_glue_task(self, task: str) -> "ExperimentConfig":
         """This GLUE suite's settings for one of its tasks: the task's `task.per_task` entry applied over the rest
         (an empty `per_task` in the result; the suite's config keeps the whole mapping)."""
-        settings = self.task.per_task.get("".join(c for c in task.lower() if c.isalnum()), {})
+        settings = self.task.per_task.get(glue_task_key(task), {})
         data = set_fields(self.to_dict(), settings)
         data["task"]["per_task"] = {}
         return ExperimentConfig.from_dict(data)

@@ -25,7 +25,7 @@ POOLINGS = ("cls", "mean")
 PER_TASK_FIELDS = ("epochs", "pooling", "seq_len")
 
 
-def _glue_key(name: str) -> str:
+def glue_task_key(name: str) -> str:
     """GLUE task name as the dataset key: "SST-2" -> "sst2", "STS-B" -> "stsb"."""
     return "".join(c for c in str(name).lower() if c.isalnum())
 
@@ -70,13 +70,13 @@ class TaskConfig(Config):
     per_task: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def _resolve_defaults(self) -> None:
-        if self.name == "glue" and _glue_key(self.dataset) in TASKS["glue"][1]:
-            object.__setattr__(self, "dataset", _glue_key(self.dataset))  # "SST-2" -> "sst2"
+        if self.name == "glue" and glue_task_key(self.dataset) in TASKS["glue"][1]:
+            object.__setattr__(self, "dataset", glue_task_key(self.dataset))  # "SST-2" -> "sst2"
         if self.tokenizer is None:
             default = "wordpiece" if self.name in ("pretrain", "glue") else DEFAULT_TOKENIZER.get(self.dataset, "wordpiece")
             object.__setattr__(self, "tokenizer", default)
         if isinstance(self.per_task, dict) and all(isinstance(v, dict) for v in self.per_task.values()):
-            object.__setattr__(self, "per_task", {_glue_key(k): dict(v) for k, v in self.per_task.items()})
+            object.__setattr__(self, "per_task", {glue_task_key(k): dict(v) for k, v in self.per_task.items()})
 
     def _validate_per_task(self, p: Problems) -> None:
         """The shape of task.per_task; the values are checked where they are applied (ExperimentConfig)."""
@@ -121,7 +121,7 @@ class TaskConfig(Config):
         p.check(self.nsp_weight > 0, "nsp_weight", f"must be > 0, got {self.nsp_weight}")
         if self.name != "pretrain":
             p.check(self.nsp_weight == 1.0, "nsp_weight", f"only applies to task.name='pretrain' (got {self.nsp_weight})")
-        bad = [t for t in self.glue_tasks if _glue_key(t) not in GLUE_DATASETS]
+        bad = [t for t in self.glue_tasks if glue_task_key(t) not in GLUE_DATASETS]
         p.check(not bad, "glue_tasks", f"unknown GLUE task(s) {bad}; valid: {list(GLUE_DATASETS)} (case and dashes ignored)")
         p.check(len(set(self.finetune_seeds)) == len(self.finetune_seeds) and all(s >= 0 for s in self.finetune_seeds),
                 "finetune_seeds", f"must be distinct seeds >= 0, got {list(self.finetune_seeds)}")
