@@ -75,12 +75,15 @@ class TaskConfig(Config):
         if self.tokenizer is None:
             default = "wordpiece" if self.name in ("pretrain", "glue") else DEFAULT_TOKENIZER.get(self.dataset, "wordpiece")
             object.__setattr__(self, "tokenizer", default)
-        if isinstance(self.per_task, dict) and all(isinstance(v, dict) for v in self.per_task.values()):
+        if self._per_task_is_mapping():
             object.__setattr__(self, "per_task", {glue_task_key(k): dict(v) for k, v in self.per_task.items()})
+
+    def _per_task_is_mapping(self) -> bool:
+        return isinstance(self.per_task, dict) and all(isinstance(v, dict) for v in self.per_task.values())
 
     def _validate_per_task(self, p: Problems) -> None:
         """The shape of task.per_task; the values are checked where they are applied (ExperimentConfig)."""
-        if not (isinstance(self.per_task, dict) and all(isinstance(v, dict) for v in self.per_task.values())):
+        if not self._per_task_is_mapping():
             p.add("per_task", f"must map GLUE task names to {{section.field: value}} settings, got {self.per_task!r}")
             return
         bad = [t for t in self.per_task if t not in GLUE_DATASETS]

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from study.config import ExperimentConfig
+from study.config.task import glue_task_key
 from study.io import atomic_write, atomic_write_json, atomic_write_text, read_json
 from study.model.transformer import SequenceClassificationHead
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, length_grouped_batches, seeded_generator
@@ -79,10 +80,6 @@ PRETRAIN_FILES = ("config.yaml", "model.pt", TOKENIZER_FILE, "metrics.json")
 
 def submission_name(task: str, split: str) -> str:
     return SUBMISSION_FILES.get((task, split), task)
-
-
-def dataset_key(task: str) -> str:
-    return "".join(c for c in task.lower() if c.isalnum())
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -396,7 +393,7 @@ def run_glue(
         for seed in seeds:
             sub = task_cfg.replace(
                 name=f"{cfg.name}.{name}.seed{seed}",
-                task=task_cfg.task.replace(dataset=dataset_key(name), glue_tasks=(), finetune_seeds=(seed,)),
+                task=task_cfg.task.replace(dataset=glue_task_key(name), glue_tasks=(), finetune_seeds=(seed,)),
                 train=t.replace(seed=seed, max_steps=steps, warmup_steps=min(t.warmup_steps, steps // 10)),
             )
             m = run_single(sub, run_dir / name / f"seed{seed}", data_dir=data_dir, cache_dir=cache_dir, force=force)
