@@ -265,18 +265,22 @@ def test_config_errors_name_the_field():
 
 
 def test_per_task_settings_are_checked_when_the_config_is_built():
-    cfg = glue_cfg(per_task={"CoLA": {"train.lr": 1e-4, "task.epochs": 6}, "STS-B": {"task.pooling": "mean"}})
-    assert cfg.task.per_task == {"cola": {"train.lr": 1e-4, "task.epochs": 6}, "stsb": {"task.pooling": "mean"}}
+    cfg = glue_cfg(per_task={"CoLA": {"train.lr": 1e-4, "task.epochs": 6, "model.dropout": 0.0},
+                             "STS-B": {"task.pooling": "mean"}})
+    assert cfg.task.per_task == {"cola": {"train.lr": 1e-4, "task.epochs": 6, "model.dropout": 0.0},
+                                 "stsb": {"task.pooling": "mean"}}
     cola, sst = cfg.for_glue_task("CoLA"), cfg.for_glue_task("SST-2")
-    assert (cola.train.lr, cola.task.epochs, cola.task.per_task) == (1e-4, 6, {})
-    assert (sst.train.lr, sst.task.epochs, sst.task.pooling) == (cfg.train.lr, cfg.task.epochs, "cls")
+    assert (cola.train.lr, cola.task.epochs, cola.model.dropout, cola.task.per_task) == (1e-4, 6, 0.0, {})
+    assert (sst.train.lr, sst.task.epochs, sst.task.pooling, sst.model.dropout) == (
+        cfg.train.lr, cfg.task.epochs, "cls", cfg.model.dropout)
     assert cfg.for_glue_task("stsb").task.pooling == "mean"
     assert ExperimentConfig.from_yaml(cfg.to_yaml()) == cfg
     for per_task, message in (
         ({"squad": {"train.lr": 1e-4}}, r"per_task: unknown GLUE task\(s\) \['squad'\]"),
         ({"cola": {"train.seed": 3}}, r"per_task.cola: 'train.seed' cannot be set per task.*finetune_seeds"),
         ({"cola": {"task.dataset": "sst2"}}, r"per_task.cola: 'task.dataset' cannot be set per task"),
-        ({"cola": {"model.dropout": 0.2}}, r"per_task.cola: 'model.dropout' cannot be set per task"),
+        ({"cola": {"model.d_model": 64}}, r"per_task.cola: 'model.d_model' cannot be set per task.*model.\{dropout"),
+        ({"cola": {"model.dropout": 1.5}}, r"task.per_task.cola: .*dropout"),
         ({"cola": {"train.lr": "fast"}}, r"task.per_task.cola: train.lr: 'fast' is not a valid float"),
         ({"cola": {"train.warmup": 3}}, r"task.per_task.cola: train.warmup: unknown field"),
         ({"cola": {"task.epochs": -1}}, r"task.per_task.cola: .*epochs: must be > 0"),
@@ -290,7 +294,7 @@ def test_per_task_settings_are_checked_when_the_config_is_built():
 
 def test_per_task_settings_apply_to_that_task_only(data, pretrained, tmp_path):
     cfg = glue_cfg(glue_tasks=("sst2", "cola"), init_from=str(pretrained), epochs=1,
-                   per_task={"CoLA": {"train.lr": 3e-4, "task.epochs": 2, "train.warmup_steps": 0}})
+                   per_task={"CoLA": {"train.lr": 3e-4, "task.epochs": 2, "train.warmup_steps": 0, "model.dropout": 0.0}})
     cfg = cfg.replace(train=cfg.train.replace(max_steps=100))
     run = tmp_path / "ft"
     m = run_experiment(cfg, run, data_dir=data, cache_dir=tmp_path / "cache")
@@ -300,6 +304,8 @@ def test_per_task_settings_apply_to_that_task_only(data, pretrained, tmp_path):
     cola = ExperimentConfig.from_yaml((run / "CoLA" / "seed0" / "config.yaml").read_text())
     assert (sst.train.lr, sst.train.max_steps, sst.train.warmup_steps) == (1e-3, 6, 0)  # warm-up: at most a tenth
     assert (cola.train.lr, cola.train.max_steps, cola.task.epochs) == (3e-4, 12, 2)
+    assert (sst.model.dropout, cola.model.dropout) == (cfg.model.dropout, 0.0) and cfg.model.dropout > 0
+    assert cola.model.d_model == sst.model.d_model  # the architecture is still the pretrained encoder's
     assert sst.task.per_task == cola.task.per_task == {}
     assert ExperimentConfig.from_yaml((run / "config.yaml").read_text()).task.per_task == cfg.task.per_task
 

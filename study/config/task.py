@@ -23,6 +23,8 @@ LANGS = ("de", "en", "fr", "cs")
 POOLINGS = ("cls", "mean")
 # the task fields one GLUE task of a suite may set for itself (task.per_task); the rest are the suite's
 PER_TASK_FIELDS = ("epochs", "pooling", "seq_len")
+# and the model fields: fine-tuning's regularisation, the ones a pretrained encoder (task.init_from) does not decide
+PER_TASK_MODEL_FIELDS = ("dropout", "attention_dropout")
 
 
 def glue_task_key(name: str) -> str:
@@ -66,7 +68,8 @@ class TaskConfig(Config):
     pooling: str = "cls"
     # glue: settings for single tasks of the suite, as `--set` keys, e.g. {cola: {train.lr: 1.0e-4, task.epochs: 6}};
     # Devlin et al. (2019, A.3) choose the fine-tuning learning rate per task on dev. Only train.* (not the seed, which
-    # task.finetune_seeds gives) and the task fields in PER_TASK_FIELDS; keys are task names (case and dashes ignored)
+    # task.finetune_seeds gives), the task fields in PER_TASK_FIELDS and the model fields in PER_TASK_MODEL_FIELDS;
+    # keys are task names (case and dashes ignored)
     per_task: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def _resolve_defaults(self) -> None:
@@ -91,9 +94,11 @@ class TaskConfig(Config):
         for task, settings in self.per_task.items():
             for key in settings:
                 section, _, name = str(key).partition(".")
-                ok = (section == "train" and name not in ("", "seed")) or (section == "task" and name in PER_TASK_FIELDS)
+                ok = ((section == "train" and name not in ("", "seed")) or (section == "task" and name in PER_TASK_FIELDS)
+                      or (section == "model" and name in PER_TASK_MODEL_FIELDS))
                 p.check(ok, f"per_task.{task}", f"{key!r} cannot be set per task; valid: train.FIELD (not train.seed: "
-                        f"task.finetune_seeds gives the seeds) or task.{{{','.join(PER_TASK_FIELDS)}}}")
+                        f"task.finetune_seeds gives the seeds), task.{{{','.join(PER_TASK_FIELDS)}}} or "
+                        f"model.{{{','.join(PER_TASK_MODEL_FIELDS)}}}")
 
     @property
     def arch(self) -> str:

@@ -29,7 +29,8 @@ from there; only `model.dropout`/`attention_dropout` are taken from this config;
 `task.pretrained_weights: false` keeps the tokenizer and architecture and starts from random weights.
 Without `init_from`, a WordPiece vocabulary is trained on the task's training text and the model section is used.
 `task.per_task` gives single tasks their own settings (`{cola: {train.lr: 1.0e-4, task.epochs: 6}}`: any train
-field but the seed, and task.epochs, pooling, seq_len), applied over the suite's for that task's runs only.
+field but the seed, task.epochs, pooling, seq_len, and model.dropout, attention_dropout), applied over the suite's
+for that task's runs only.
 Fine-tuning steps are `min(train.max_steps, task.epochs passes)`, capped by `train.max_time_s` per (task, seed);
 warm-up is at most a tenth of the steps; with a time budget the decay follows whichever of steps and time runs out
 first.
