@@ -83,9 +83,10 @@ def overlay(base: dict | None, over: dict | None, tasks: list[str] | None = None
             del m[key]
         m.update({k: v for k, v in o.items() if k.startswith(f"{task}/")})
         m["tasks"][task] = o["tasks"][task]
-    scores = [t["score_mean"] for t in m["tasks"].values() if t.get("score_mean") is not None]
-    m["glue_score"] = sum(scores) / len(scores)
-    merged["overlays"] = merged.get("overlays", []) + [(sorted(taken), over["label"])]
+    scored = sorted(name for name, t in m["tasks"].items() if t.get("score_mean") is not None)
+    m["glue_score"] = sum(m["tasks"][name]["score_mean"] for name in scored) / len(scored)
+    m["glue_score_tasks"] = scored
+    merged["overlays"] = merged.get("overlays", []) + [(sorted(taken), over)]
     return merged
 
 
@@ -136,8 +137,9 @@ def main() -> None:
             print(f"  GLUE: tasks {m['metrics']['glue_score_tasks']}, seeds {m['metrics']['seeds']}, fit "
                   f"{m['cost']['fit_seconds']:.0f} s in all, wall {ft['end_to_end_wall_seconds']:.0f} s, "
                   f"unavailable {m['metrics']['unavailable_tasks']}")
-            for tasks, label in ft.get("overlays", []):
-                print(f"  of which {tasks} from run-{label}.json")
+            for tasks, over in ft.get("overlays", []):
+                print(f"  of which {tasks} from run-{over['label']}.json (fit {over['metrics']['cost']['fit_seconds']:.0f} s "
+                      f"in all, wall {over['end_to_end_wall_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -271,6 +271,7 @@ def test_per_task_settings_are_checked_when_the_config_is_built():
                                  "stsb": {"task.pooling": "mean"}}
     cola, sst = cfg.for_glue_task("CoLA"), cfg.for_glue_task("SST-2")
     assert (cola.train.lr, cola.task.epochs, cola.model.dropout, cola.task.per_task) == (1e-4, 6, 0.0, {})
+    assert glue_cfg(per_task={"rte": {"model.attention_dropout": 0.0}}).for_glue_task("RTE").model.attention_dropout == 0.0
     assert (sst.train.lr, sst.task.epochs, sst.task.pooling, sst.model.dropout) == (
         cfg.train.lr, cfg.task.epochs, "cls", cfg.model.dropout)
     assert cfg.for_glue_task("stsb").task.pooling == "mean"
@@ -280,7 +281,7 @@ def test_per_task_settings_are_checked_when_the_config_is_built():
         ({"cola": {"train.seed": 3}}, r"per_task.cola: 'train.seed' cannot be set per task.*finetune_seeds"),
         ({"cola": {"task.dataset": "sst2"}}, r"per_task.cola: 'task.dataset' cannot be set per task"),
         ({"cola": {"model.d_model": 64}}, r"per_task.cola: 'model.d_model' cannot be set per task.*model.\{dropout"),
-        ({"cola": {"model.dropout": 1.5}}, r"task.per_task.cola: .*dropout"),
+        ({"cola": {"model.dropout": 1.5}}, r"task.per_task.cola: model.dropout: must be in \[0, 1\)"),
         ({"cola": {"train.lr": "fast"}}, r"task.per_task.cola: train.lr: 'fast' is not a valid float"),
         ({"cola": {"train.warmup": 3}}, r"task.per_task.cola: train.warmup: unknown field"),
         ({"cola": {"task.epochs": -1}}, r"task.per_task.cola: .*epochs: must be > 0"),
@@ -305,7 +306,7 @@ def test_per_task_settings_apply_to_that_task_only(data, pretrained, tmp_path):
     assert (sst.train.lr, sst.train.max_steps, sst.train.warmup_steps) == (1e-3, 6, 0)  # warm-up: at most a tenth
     assert (cola.train.lr, cola.train.max_steps, cola.task.epochs) == (3e-4, 12, 2)
     assert (sst.model.dropout, cola.model.dropout) == (cfg.model.dropout, 0.0) and cfg.model.dropout > 0
-    assert cola.model.d_model == sst.model.d_model  # the architecture is still the pretrained encoder's
+    assert cola.model == sst.model.replace(dropout=0.0)  # else the pretrained encoder's architecture, as for SST-2
     assert sst.task.per_task == cola.task.per_task == {}
     assert ExperimentConfig.from_yaml((run / "config.yaml").read_text()).task.per_task == cfg.task.per_task
 
