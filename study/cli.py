@@ -20,10 +20,10 @@ from pathlib import Path
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from study.config import ConfigError, ExperimentConfig
+    from study.config import ConfigError, load_experiment
 
     try:
-        cfg = ExperimentConfig.load(args.config, args.set or [])
+        cfg = load_experiment(args.config, args.set or [])  # one experiment, or a pipeline of stages
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"study run: {err}", file=sys.stderr)
         return 2

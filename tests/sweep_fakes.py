@@ -41,7 +41,7 @@ def fake_run(cfg, run_dir, data_dir=None, cache_dir=None):
             + 0.1 * (math.log10(cfg.train.lr) + 3) ** 2)
     metrics = {"status": "diverged" if diverged else "completed", "diverged_at_step": 3 if diverged else None,
                "steps": 3 if diverged else 10, "stopped_by": None, "train_tokens": 100,
-               "metrics": {} if diverged else {"valid_loss": loss, "test_ppl_by_length": {
+               "metrics": {} if diverged else {"valid_loss": loss, "valid_ppl_by_length": {
                    "8": 7.0, "16": "n/a" if cfg.model.position == "learned" else 7.5}},
                "cost": {"parameters": cfg.model.d_model * 100, "train_tokens_per_s": 1000.0}}
     atomic_write_json(run_dir / "metrics.json", metrics)

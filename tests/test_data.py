@@ -229,9 +229,11 @@ def test_tinyshakespeare_nanogpt_split(root):
     full = (root / "tinyshakespeare/input.txt").read_text()
     cut = int(len(full) * 0.9)
     assert c.train == full[:cut] and c.valid == full[cut:]
-    assert c.test == c.valid and c.level == "char" and c.documents is None
-    assert "test = valid" in c.fingerprint["split"]
-    assert "test is the same text as valid" in load_lm_corpus.__doc__.replace("**", "")
+    assert set(c.splits) == {"train", "valid"} and c.level == "char" and c.documents is None
+    with pytest.raises(KeyError, match="no test split"):
+        c.test
+    assert "no test split" in c.fingerprint["split"]
+    assert "there is no test split" in load_lm_corpus.__doc__.replace("**", "")
 
 
 def test_unknown_corpus_names():
@@ -646,7 +648,7 @@ def test_hub_wikitext_and_tinyshakespeare(fake_hub):
         "train": FakeSplit(text=["x" * 90]), "validation": FakeSplit(text=["y" * 5]), "test": FakeSplit(text=["z" * 5])
     }
     ts = load_lm_corpus("tinyshakespeare")
-    assert ts.train == "x" * 90 and ts.valid == "y" * 5 + "z" * 5 and ts.test == ts.valid
+    assert ts.train == "x" * 90 and ts.valid == "y" * 5 + "z" * 5 and "test" not in ts.splits
 
 
 def test_hub_translation_and_glue(fake_hub):

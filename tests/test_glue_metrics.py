@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from study.tasks.glue_metrics import accuracy, compute_metrics, f1, glue_score, mcc, pearson, spearman, task_score
+from study.tasks.glue.metrics import accuracy, compute_metrics, f1, glue_score, mcc, pearson, spearman, task_score
 
 
 def test_matthews_correlation_by_hand():
@@ -38,11 +38,11 @@ def test_pearson_and_spearman_by_hand():
 
 def test_compute_metrics_and_task_scores():
     m = compute_metrics(("f1", "accuracy"), [1, 0, 1, 1], [1, 0, 0, 1])
-    assert m == pytest.approx({"f1": 0.8, "accuracy": 0.75})
+    assert m == pytest.approx({"f1": 80.0, "accuracy": 75.0})  # the 0-100 scale
     with pytest.raises(ValueError, match="predictions"):
         compute_metrics(("accuracy",), [1, 0], [1])
     assert task_score({"dev": m}) == pytest.approx(77.5)  # MRPC: mean of F1 and accuracy, 0-100
-    assert task_score({"dev_matched": {"accuracy": 0.8}, "dev_mismatched": {"accuracy": 0.7}}) == pytest.approx(75.0)
+    assert task_score({"dev_matched": {"accuracy": 80.0}, "dev_mismatched": {"accuracy": 70.0}}) == pytest.approx(75.0)
 
 
 def test_glue_score_matches_the_leaderboard_definition():

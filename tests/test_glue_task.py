@@ -16,7 +16,15 @@ import torch
 from study.config import ConfigError, ExperimentConfig
 from study.run import run_experiment
 from study.tasks.data import DatasetUnavailable, glue_task_info, load_glue
-from study.tasks.glue import GlueDataModule, GlueModule, format_prediction, pretrained_config
+from study.tasks import family
+from study.tasks.glue.data import GlueDataModule
+from study.tasks.glue.module import GlueModule
+from study.tasks.glue.pretrained import pretrained_config
+from study.tasks.glue.submission import format_prediction
+
+
+def resolve_model(cfg):
+    return family("glue").resolve(cfg)
 from study.tasks.pretrain import CLS, SEP
 from test_data import FakeSplit
 from test_pretrain_task import BASE as PRETRAIN_BASE
@@ -154,7 +162,7 @@ def test_tsv_quirks_reach_the_inputs(data, tmp_path):
 
 
 def test_long_pairs_are_truncated_longest_first(data, tmp_path):
-    from study.tasks.glue import encode_example
+    from study.tasks.glue.data import encode_example
 
     dm = GlueDataModule(glue_cfg(dataset="mrpc"), data_dir=data, cache_dir=tmp_path)
     dm.prepare()
@@ -193,9 +201,9 @@ def test_unavailable_tasks_are_reported_and_the_others_run(data, tmp_path):
     m = run_experiment(cfg, tmp_path / "run", data_dir=data, cache_dir=tmp_path / "cache")
     r = m["metrics"]
     assert m["status"] == "completed" and r["unavailable_tasks"] == ["QNLI", "QQP"]
-    assert "glue/QNLI/train.tsv" in r["unavailable"]["QNLI"] and "nyu-mll/glue" in r["unavailable"]["QNLI"]
-    assert "glue/QQP/train.tsv" in r["unavailable"]["QQP"] and "--data-dir" in r["unavailable"]["QQP"]
-    assert list(r["tasks"]) == ["SST-2"] and r["glue_score_tasks"] == ["SST-2"] and not r["glue_score_complete"]
+    assert "glue/QNLI/train.tsv" in m["unavailable"]["QNLI"] and "nyu-mll/glue" in m["unavailable"]["QNLI"]
+    assert "glue/QQP/train.tsv" in m["unavailable"]["QQP"] and "--data-dir" in m["unavailable"]["QQP"]
+    assert list(m["parts"]) == ["SST-2"] and r["glue_score_tasks"] == ["SST-2"] and not r["glue_score_complete"]
     # a single named task that is unavailable fails the run, with the same message
     with pytest.raises(DatasetUnavailable, match="QNLI"):
         run_experiment(glue_cfg(dataset="qnli"), tmp_path / "qnli", data_dir=data, cache_dir=tmp_path / "cache")
@@ -299,7 +307,7 @@ def test_per_task_settings_apply_to_that_task_only(data, pretrained, tmp_path):
     cfg = cfg.replace(train=cfg.train.replace(max_steps=100))
     run = tmp_path / "ft"
     m = run_experiment(cfg, run, data_dir=data, cache_dir=tmp_path / "cache")
-    tasks = m["metrics"]["tasks"]
+    tasks = m["parts"]
     assert tasks["SST-2"]["seeds"]["0"]["steps"] == 6 and tasks["CoLA"]["seeds"]["0"]["steps"] == 12  # 48 / 8 a pass
     sst = ExperimentConfig.from_yaml((run / "SST-2" / "seed0" / "config.yaml").read_text())
     cola = ExperimentConfig.from_yaml((run / "CoLA" / "seed0" / "config.yaml").read_text())
@@ -332,7 +340,7 @@ def test_init_from_missing_or_incompatible_fails_before_training(data, tmp_path)
 
 
 def test_pooling_reads_the_first_token_or_the_mean_of_the_real_tokens(pretrained):
-    from study.tasks.glue import collate, resolve_model
+    from study.tasks.glue.data import collate
 
     module = GlueModule(resolve_model(glue_cfg(dataset="sst2", init_from=str(pretrained), pooling="mean")))
     model = module.model.eval()
@@ -369,7 +377,6 @@ def test_submission_format():
 
 
 def test_module_starts_from_the_pretrained_encoder(pretrained):
-    from study.tasks.glue import resolve_model
 
     cfg = resolve_model(glue_cfg(dataset="sst2", init_from=str(pretrained)))
     pre = pretrained_config(pretrained)
@@ -388,16 +395,21 @@ def test_pretrain_then_finetune_suite_with_seeds(data, pretrained, tmp_path):
     run = tmp_path / "ft"
     m = run_experiment(cfg, run, data_dir=data, cache_dir=tmp_path / "cache")
     assert m["status"] == "completed"
-    r = m["metrics"]
-    assert list(r["tasks"]) == ["SST-2", "STS-B", "MNLI", "CoLA"] and r["seeds"] == [0, 1]
-    sst = r["tasks"]["SST-2"]
+    r, parts = m["metrics"], m["parts"]
+    assert list(parts) == ["SST-2", "STS-B", "MNLI", "CoLA"] and r["seeds"] == [0, 1]
+    sst = parts["SST-2"]
     accs = [sst["seeds"][s]["accuracy"] for s in ("0", "1")]
     assert sst["mean"]["accuracy"] == pytest.approx(statistics.fmean(accs))
     assert sst["std"]["accuracy"] == pytest.approx(statistics.stdev(accs))
     assert r["SST-2/accuracy"] == sst["mean"]["accuracy"] and "SST-2/accuracy_std" in r
-    assert set(r["tasks"]["STS-B"]["mean"]) == {"pearson", "spearman"}
-    assert set(r["tasks"]["MNLI"]["mean"]) == {"accuracy_m", "accuracy_mm"} and "CoLA/mcc" in r
-    scores = [r["tasks"][t]["score_mean"] for t in r["tasks"]]
+    assert set(parts["STS-B"]["mean"]) == {"pearson", "spearman"}
+    assert set(parts["MNLI"]["mean"]) == {"accuracy_m", "accuracy_mm"} and "CoLA/mcc" in r
+    # one scale everywhere: every GLUE number is on 0-100, a task score is the mean of its metrics
+    assert all(0 <= parts[t]["mean"][k] <= 100 or k in ("pearson", "spearman", "mcc") for t in parts
+               for k in parts[t]["mean"])
+    assert sst["score_mean"] == pytest.approx(sst["mean"]["accuracy"])
+    assert 1 < max(abs(v) for t in parts for v in parts[t]["mean"].values())  # not fractions
+    scores = [parts[t]["score_mean"] for t in parts]
     assert r["glue_score"] == pytest.approx(sum(scores) / 4)
     assert sst["seeds"]["0"]["steps"] == 6  # one epoch: 48 examples / 8
     # every (task, seed) is a complete run directory, started from the pretrained run
@@ -428,7 +440,7 @@ def test_mnli_run_writes_the_diagnostic_submission(tmp_path):
     data = write_diagnostic(write_glue(tmp_path / "data"))
     run = tmp_path / "run"
     m = run_experiment(glue_cfg(dataset="mnli"), run, data_dir=data, cache_dir=tmp_path / "cache")
-    assert m["status"] == "completed" and list(m["metrics"]["tasks"]) == ["MNLI"]
+    assert m["status"] == "completed" and list(m["parts"]) == ["MNLI"]
     assert (run / "MNLI" / "seed0" / "predictions" / "AX.tsv").is_file()
     lines = (run / "submission" / "AX.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 7  # one row per diagnostic example, in index order
@@ -453,8 +465,9 @@ def test_real_glue_suite_smoke(tmp_path):
     cfg = cfg.replace(train=cfg.train.replace(max_steps=2))
     m = run_experiment(cfg, tmp_path / "run", data_dir=REAL_DATA, cache_dir=tmp_path / "cache")
     r = m["metrics"]
-    assert r["unavailable_tasks"] == ["MNLI", "QNLI"] and list(r["tasks"]) == ["WNLI"]
-    assert r["tasks"]["WNLI"]["seeds"]["0"]["n_dev"] == {"dev": 71}
+    assert r["unavailable_tasks"] == ["MNLI", "QNLI"] and list(m["parts"]) == ["WNLI"]
+    assert m["parts"]["WNLI"]["seeds"]["0"]["n_dev"] == {"dev": 71}
+    assert r["WNLI/accuracy_std"] is None  # one seed has no spread: never a standard deviation of 0
     lines = (tmp_path / "run" / "submission" / "WNLI.tsv").read_text().splitlines()
     assert len(lines) == 147 and lines[0] == "index\tprediction"
     for task, n_train, n_dev in (("CoLA", 8551, 1043), ("MRPC", 3668, 408)):

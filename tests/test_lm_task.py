@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from study.config import ExperimentConfig
 from study.model import build_model
 from study.run import RunDirConflict, load_model, run_experiment
-from study.tasks import registry
+from study.tasks import family
 from study.tasks.base import lr_multiplier
-from study.tasks.lm import NOT_APPLICABLE, LMDataModule, LMModule
+from study.tasks.lm import NOT_APPLICABLE, LanguageModelling, LMDataModule, LMModule
 
 SEQ_LEN = 16
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -153,7 +153,7 @@ def test_datamodule_tokenizes_and_indexes_batches_by_step(corpus):
     ids, vocab_size = hand_valid_ids(corpus)
     assert dm.tokenizer.vocab_size == vocab_size == dm.model_overrides()["vocab_size"]
     assert torch.equal(dm.ids["valid"], ids)
-    assert torch.equal(dm.ids["test"], dm.ids["valid"])  # Tiny Shakespeare: test is valid
+    assert "test" not in dm.ids  # Tiny Shakespeare has no test split
     n_text = len(corpus["input"].read_text())
     assert len(dm.ids["train"]) + len(dm.ids["valid"]) == n_text  # one id per character
 
@@ -209,8 +209,17 @@ def test_run_directory_contents(main_run, corpus):
     assert m["steps"] == 12
     assert m["train_tokens"] == 12 * 8 * SEQ_LEN
     assert m["cost"]["parameters"] > 0 and m["cost"]["train_tokens_per_s"] > 0
-    for key in ("valid_loss", "valid_ppl", "test_loss", "test_ppl", "test_ppl_by_length"):
+    for key in ("valid_loss", "valid_ppl", "valid_ppl_by_length"):
         assert key in m["metrics"]
+    # Tiny Shakespeare has no test split: no metric calls the validation split "test"
+    assert not any(k.startswith("test") for k in m["metrics"])
+    # every number the task writes is one its family declares, with its direction and scale in the record
+    from study.record import flatten_record
+
+    declared = LanguageModelling()
+    numeric = [k[len("metric."):] for k, v in flatten_record(m).items() if k.startswith("metric.")]
+    assert numeric and all(declared.metric(k) is not None for k in numeric), numeric
+    assert m["declared"]["valid_loss"]["direction"] == "minimize" and m["schema"] == 2
     assert m["metrics"]["valid_ppl"] == pytest.approx(math.exp(m["metrics"]["valid_loss"]))
 
 
@@ -262,18 +271,17 @@ def test_load_model_reproduces_valid_loss_and_perplexity_by_hand(main_run, corpu
     m = main_run["metrics"]["metrics"]
     assert loss == pytest.approx(m["valid_loss"], rel=1e-5)
     assert math.exp(loss) == pytest.approx(m["valid_ppl"], rel=1e-5)
-    # Tiny Shakespeare's test split is its valid split
-    assert m["test_loss"] == m["valid_loss"] and m["test_ppl"] == m["valid_ppl"]
     # training did something: better than the untrained model
     fresh = build_model(cfg.model).eval()
     assert loss < hand_loss(fresh, ids, SEQ_LEN)[0]
 
 
 def test_learned_positions_are_not_applicable_beyond_max_seq_len(main_run):
-    curve = main_run["metrics"]["metrics"]["test_ppl_by_length"]
+    curve = main_run["metrics"]["metrics"]["valid_ppl_by_length"]
     assert list(curve) == ["16", "32", "64"]  # one entry per task.eval_lengths multiple
-    assert curve["16"] == pytest.approx(main_run["metrics"]["metrics"]["test_ppl"])
+    assert curve["16"] == pytest.approx(main_run["metrics"]["metrics"]["valid_ppl"])
     assert curve["32"] == NOT_APPLICABLE and curve["64"] == NOT_APPLICABLE
+    assert main_run["metrics"]["metrics"]["valid_ppl_at_2x"] == NOT_APPLICABLE
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi"])
@@ -281,8 +289,9 @@ def test_extrapolating_positions_give_numbers_at_every_length(corpus, position):
     cfg = make_cfg(model={"position": position, "n_layers": 1, "dropout": 0.0}, train={"max_steps": 2})
     m = run(corpus, cfg, f"extrapolate-{position}")
     assert m["status"] == "completed"
-    curve = m["metrics"]["test_ppl_by_length"]
+    curve = m["metrics"]["valid_ppl_by_length"]
     assert list(curve) == ["16", "32", "64"]
+    assert m["metrics"]["valid_ppl_at_2x"] == curve["32"]
     assert all(isinstance(v, float) and math.isfinite(v) for v in curve.values())
     model, _ = load_model(corpus["root"] / f"extrapolate-{position}")
     ids, _ = hand_valid_ids(corpus)
@@ -314,7 +323,7 @@ def test_nan_loss_diverges_at_that_step(corpus, monkeypatch):
             loss, n = super().training_loss(batch)
             return (loss * float("nan"), n) if self.global_step == 3 else (loss, n)
 
-    monkeypatch.setattr(registry, "task_family", lambda name: (LMDataModule, NaNAtStep3))
+    monkeypatch.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, NaNAtStep3))
     cfg = make_cfg(model={"n_layers": 1}, train={"max_steps": 10, "log_every": 1})
     d = corpus["root"] / "diverged-nan"
     m = run(corpus, cfg, "diverged-nan")
@@ -336,7 +345,7 @@ def test_a_run_stopped_between_written_steps_writes_its_last_step_fresh(corpus, 
                 self.trainer.should_stop = True
             super().on_train_batch_end(outputs, batch, batch_idx)
 
-    monkeypatch.setattr(registry, "task_family", lambda name: (LMDataModule, StopAfterStep7))
+    monkeypatch.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, StopAfterStep7))
     cfg = make_cfg(model={"n_layers": 1}, train={"max_steps": 12, "log_every": 3, "eval_every": 100})
     run(corpus, cfg, "stopped-early")
     rows = read_csv(corpus["root"] / "stopped-early" / "logs" / "metrics.csv")
@@ -361,7 +370,7 @@ class KilledDuringStep9(LMModule):
 def kill_during_step_9(corpus, cfg: ExperimentConfig, name: str, monkeypatch) -> None:
     """Run `cfg` into `name` until it is killed during step 9 (after its step-6 checkpoint)."""
     with monkeypatch.context() as mp:
-        mp.setattr(registry, "task_family", lambda family: (LMDataModule, KilledDuringStep9))
+        mp.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, KilledDuringStep9))
         with pytest.raises(Killed):
             run(corpus, cfg, name)
 
@@ -411,7 +420,7 @@ def test_weight_ema_is_what_is_evaluated_saved_and_resumed(main_run, corpus, mon
             trajectory.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
 
     with monkeypatch.context() as mp:
-        mp.setattr(registry, "task_family", lambda name: (LMDataModule, Recording))
+        mp.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, Recording))
         m = run(corpus, cfg, "ema")
     assert m["status"] == "completed" and len(trajectory) == 12
     last_raw = torch.load(main_run["dir"] / "model.pt", weights_only=True)
@@ -503,7 +512,7 @@ def test_real_wikitext2_and_tinyshakespeare(tmp_path, monkeypatch):
         prepared.append(self)
         # Evaluating WikiText-2's 463k valid+test tokens through a 33k-word softmax takes minutes on a CPU;
         # this test is about preparing the data and training, so evaluate on the first 2k tokens only.
-        for split in ("valid", "test"):
+        for split in set(self.ids) - {"train"}:
             self.ids[split] = self.ids[split][:2048]
 
     monkeypatch.setattr(LMDataModule, "prepare", prepare_then_shorten_evaluation)
@@ -524,6 +533,7 @@ def test_real_wikitext2_and_tinyshakespeare(tmp_path, monkeypatch):
     assert set(data["files"]) == {"train.txt.gz", "valid.txt", "test.txt"}
     assert m["status"] == "completed" and m["steps"] == 3
     assert math.isfinite(m["metrics"]["valid_ppl"]) and m["metrics"]["valid_ppl"] < 2 * 33278
+    assert math.isfinite(m["metrics"]["test_ppl"]) and "test_ppl_by_length" in m["metrics"]  # WikiText-2 has one
     assert ExperimentConfig.from_yaml((tmp_path / "wt2" / "config.yaml").read_text()).model.vocab_size == 33278
 
     ts = ExperimentConfig.from_dict(merge(tiny, {"name": "ts", "task": {"dataset": "tinyshakespeare", "seq_len": 32,
@@ -536,9 +546,9 @@ def test_real_wikitext2_and_tinyshakespeare(tmp_path, monkeypatch):
 
 def test_an_lm_run_imports_neither_glue_metrics_nor_sacrebleu():
     # the task registry imports a family on first use: start-up time is part of every run's wall time
-    code = ("import sys; from study.tasks.registry import task_family; task_family('lm'); "
+    code = ("import sys; from study.tasks import family; family('lm').implementation(); "
             "print(sorted(m for m in ('sklearn', 'sacrebleu') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     with pytest.raises(ValueError, match="implemented: \\['glue', 'lm', 'pretrain', 'translation'\\]"):
-        registry.task_family("vision")
+        family("vision")

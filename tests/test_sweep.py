@@ -19,7 +19,7 @@ import yaml
 from study.sweep import SweepOptions, SweepSpecError, expand, load_spec, run_sweep
 from study.sweep.queue import TrialQueue
 from study.sweep.storage import StorageError, open_storage, redact
-from study.sweep.worker import trial_specs
+from study.sweep.layout import trial_specs
 from study.io import read_json
 
 TESTS = Path(__file__).resolve().parent
@@ -110,7 +110,7 @@ def test_a_field_added_by_a_later_release_leaves_existing_point_hashes_unchanged
     import dataclasses
 
     from study.config import ExperimentConfig, TaskConfig
-    from study.sweep.plan import point_hash
+    from study.config import content_hash as point_hash
 
     NewerTaskConfig = dataclasses.make_dataclass(
         "TaskConfig", [("added_later", float, dataclasses.field(default=1.0))], bases=(TaskConfig,), frozen=True)
@@ -193,8 +193,8 @@ def test_a_metric_that_does_not_apply_is_a_missing_number_in_the_table(tmp_path)
     path = write_spec(tmp_path, seeds=[0], axes={"model.position": ["rope", "learned"]})
     run_sweep(path, opts(tmp_path), say=lambda s: None)
     df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet").set_index("label")
-    assert df.loc["baseline", "metric.test_ppl_by_length.16"] == 7.5
-    assert pd.isna(df.loc["position=learned", "metric.test_ppl_by_length.16"])  # n/a: learned cannot extrapolate
+    assert df.loc["baseline", "metric.valid_ppl_by_length.16"] == 7.5
+    assert pd.isna(df.loc["position=learned", "metric.valid_ppl_by_length.16"])  # n/a: learned cannot extrapolate
 
 
 def test_deleting_a_finished_run_directory_makes_the_next_invocation_run_it_again(tmp_path):
@@ -344,7 +344,7 @@ def test_tuning_mode_picks_each_points_best_setting_then_runs_its_seeds_with_it(
 def test_the_pruning_monitor_stops_a_tuning_trial_whose_logged_loss_is_worse_than_the_median(tmp_path):
     import optuna
 
-    from study.sweep.worker import PruningMonitor
+    from study.sweep.tuning import PruningMonitor
 
     study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
     for curve in ([3.0, 2.5], [2.8, 2.4]):  # two finished trials
@@ -422,7 +422,7 @@ def test_a_real_sweep_trains_each_point_and_tabulates_metrics_and_cost(tmp_path)
                                  cache_dir=str(tmp_path / "cache"), poll_s=0.3), say=lambda s: None)
     df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet")
     assert list(df.status) == ["completed", "completed"], df.error.tolist()
-    assert df["metric.valid_loss"].notna().all() and df["metric.test_ppl_by_length.32"].notna().all()
+    assert df["metric.valid_loss"].notna().all() and df["metric.valid_ppl_by_length.32"].notna().all()
     assert (df["cost.parameters"] > 0).all() and (df["cost.kv_cache_bytes_per_token"] > 0).all()
     assert df["env.torch"].notna().all() and df["data.fingerprint"].notna().all()
 
@@ -435,7 +435,8 @@ SHIPPED = sorted([REPO / "experiments" / "ablation_default.yaml", *(REPO / "expe
 def test_every_shipped_spec_is_valid_and_its_readme_row_is_what_the_plan_computes(path):
     import re
 
-    from study.sweep.plan import check, estimate
+    from study.sweep.estimate import estimate
+    from study.sweep.plan import check
 
     plan = expand(*load_spec(path))
     check(plan)

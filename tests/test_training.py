@@ -360,7 +360,7 @@ def test_compiled_forward_leaves_the_state_dict_keys_unchanged(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda m: Wrapper(m))
     cfg = ExperimentConfig(model=tiny_model_cfg(), task=TaskConfig(seq_len=8), train=TrainConfig(compile=True))
     compiled, eager = LMModule(cfg), LMModule(cfg.replace(train=TrainConfig(compile=False)))
-    assert isinstance(compiled.net, Wrapper)
+    assert isinstance(compiled.forward_model, Wrapper)
     assert list(compiled.state_dict()) == list(eager.state_dict())
 
 

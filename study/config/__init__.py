@@ -13,3 +13,7 @@ __all__ += ["ExperimentConfig", "TaskConfig", "TrainConfig"]
 from study.config.sweep import SweepConfig  # noqa: E402
 
 __all__ += ["SweepConfig"]
+from study.config.hashing import content_hash  # noqa: E402
+from study.config.pipeline import PipelineConfig, experiment_from_dict, load_experiment  # noqa: E402
+
+__all__ += ["PipelineConfig", "content_hash", "experiment_from_dict", "load_experiment"]

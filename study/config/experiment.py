@@ -71,6 +71,9 @@ class ExperimentConfig(Config):
                     f"{t.seq_len} (+ special tokens) exceeds model.max_seq_len={m.max_seq_len}, the length "
                     "learned positions can address; raise model.max_seq_len or shorten task.seq_len")
 
+    def with_seed(self, seed: int) -> "ExperimentConfig":
+        return self.replace(train=self.train.replace(seed=seed))
+
     def for_glue_task(self, task: str) -> "ExperimentConfig":
         """This GLUE suite's settings for one of its tasks: the task's `task.per_task` entry applied over the rest
         (an empty `per_task` in the result; the suite's config keeps the whole mapping)."""

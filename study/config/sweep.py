@@ -17,7 +17,18 @@ YAML form (see experiments/ablation_default.yaml):
         values: [16, 32]
         when: {span: local}
     seeds: [0, 1, 2]
-    objective: {metric: valid_loss, direction: minimize}
+    objective: {metric: valid_loss}            # a metric the task declares; default: the task's own objective
+
+A study in stages (pretrain -> fine-tune; see experiments/sweeps/nsp_glue.yaml) names its stages instead of one
+base; each trial runs them in order, a later stage starting from an earlier one's run directory:
+
+    stages:
+      pretrain: {base: ../wikitext2_bert_pretrain_nsp.yaml, set: {train.max_steps: 1000}}
+      glue: {base: ../glue_finetune.yaml, init_from: pretrain}
+    axes:
+      model.nsp: [true, false]                 # model.*: the pretrained model, which every later stage fine-tunes
+      glue.train.lr: [1.0e-4, 3.0e-4]          # STAGE.section.field: one stage's setting
+    seeds: [0, 1, 2]                           # the first stage's seed (pretraining: the unit that varies)
 
 Every axis value becomes a label (its YAML scalar, or the variant's name) so results
 tables and reports can name it; `Axis.values` maps label -> field assignments.
@@ -68,12 +79,29 @@ def label_of(value: Any) -> str:
     return str(value)
 
 
-def _known_field(path: str) -> str | None:
-    """None if `section.field` names a config field, else what is wrong with it."""
+def route(path: str, stages: list[str]) -> tuple[str | None, str]:
+    """(stage, section.field) of an axis or `set` path: in a study in stages `model.*` is the first stage's (the
+    model every later stage starts from) and other fields name their stage (`glue.train.lr`); else (None, path)."""
+    if not stages:
+        return None, path
+    head, _, rest = path.partition(".")
+    if head in stages:
+        return head, rest
+    return (stages[0], path) if head == "model" else (None, path)
+
+
+def _known_field(path: str, stages: list[str] = ()) -> str | None:
+    """None if `path` names a config field (`section.field`; in a study in stages `model.field` or
+    `STAGE.section.field`), else what is wrong with it."""
     from study.config.model import ModelConfig
     from study.config.task import TaskConfig
     from study.config.train import TrainConfig
 
+    stages = list(stages)
+    stage, path = route(path, stages)
+    if stages and stage is None:
+        return (f"{path!r}: in a study in stages, name the stage ({', '.join(f'{s}.{path}' for s in stages)}); "
+                "model.* fields are the first stage's")
     section, _, name = path.partition(".")
     classes = {"model": ModelConfig, "task": TaskConfig, "train": TrainConfig}
     if section not in classes or not name:
@@ -86,12 +114,12 @@ def _known_field(path: str) -> str | None:
     return None
 
 
-def parse_axis(name: str, raw: Any, p: Problems) -> Axis | None:
+def parse_axis(name: str, raw: Any, p: Problems, stages: list[str] = ()) -> Axis | None:
     """Normalise the three spellings of an axis (see the module docstring)."""
     where = f"axes.{name}"
     when_raw: dict[str, Any] = {}
-    if "." in name and isinstance(raw, list):  # model.norm: [layernorm, rmsnorm]
-        field_path, values_raw, name = name, raw, name.split(".", 1)[1]
+    if "." in name and isinstance(raw, list):  # model.norm: [layernorm, rmsnorm]; glue.train.lr: [...]
+        field_path, values_raw, name = name, raw, name.rsplit(".", 1)[1]
     elif isinstance(raw, dict) and ("values" in raw or "field" in raw):
         unknown = sorted(set(raw) - {"field", "values", "when"})
         if unknown:
@@ -107,7 +135,7 @@ def parse_axis(name: str, raw: Any, p: Problems) -> Axis | None:
 
     values: dict[str, dict[str, Any]] = {}
     if field_path is not None:
-        problem = _known_field(str(field_path))
+        problem = _known_field(str(field_path), stages)
         if problem:
             p.add(where, problem)
             return None
@@ -125,7 +153,7 @@ def parse_axis(name: str, raw: Any, p: Problems) -> Axis | None:
                 p.add(f"{where}.{label}", "must map config fields to values, e.g. {model.n_kv_heads: 1}")
                 return None
             for path in assignments:
-                problem = _known_field(str(path))
+                problem = _known_field(str(path), stages)
                 if problem:
                     p.add(f"{where}.{label}", problem)
                     return None
@@ -152,11 +180,15 @@ class SweepConfig(Config):
     description: str = ""
     base: Any = None  # path to an experiment YAML (relative to the spec) or an inline experiment mapping
     set: dict = field(default_factory=dict)  # `section.field: value` overrides applied to the base
+    # a study in stages instead of one base: stage name -> {base, set, init_from: an earlier stage}, in order
+    stages: dict = field(default_factory=dict)
     design: str = "ofat"
     axes: dict = field(default_factory=dict)
     exclude: tuple = ()  # mappings {axis: label, ...}; points matching one are dropped (grid designs)
     seeds: tuple[int, ...] = (0, 1, 2)
-    objective: dict = field(default_factory=lambda: {"metric": "valid_loss", "direction": "minimize"})
+    # {metric: NAME}: a metric the task (a study in stages: its last stage's task, or STAGE.NAME) declares; its
+    # direction comes from the declaration (a direction given here must agree). Empty: the task's default objective
+    objective: dict = field(default_factory=dict)
     max_retries: int = 2  # a failed or lost trial runs at most 1 + max_retries times per invocation
     heartbeat_s: int = 10  # a running trial's worker proves it is alive this often
     grace_s: int = 60  # ...and is declared lost (its trial re-queued) after this long without a heartbeat
@@ -181,6 +213,7 @@ class SweepConfig(Config):
                 problem = _known_field(str(key))
                 if problem:
                     p.add(f"set.{key}", problem)
+        self._validate_stages(p)
         p.check(isinstance(self.axes, dict) and len(self.axes) > 0, "axes", "must list at least one axis")
         p.check(len(self.seeds) >= 1, "seeds", "must list at least one seed")
         p.check(len(set(self.seeds)) == len(self.seeds), "seeds", f"lists a seed twice: {list(self.seeds)}")
@@ -188,11 +221,12 @@ class SweepConfig(Config):
         if isinstance(self.objective, dict):
             unknown = sorted(set(self.objective) - {"metric", "direction"})
             p.check(not unknown, "objective", f"unknown keys {unknown}; valid: metric, direction")
-            p.check(isinstance(self.objective.get("metric"), str), "objective.metric",
-                    "must name a final metric, e.g. valid_loss or bleu")
-            p.choice("objective.direction", self.objective.get("direction", "minimize"), DIRECTIONS)
+            p.check(self.objective.get("metric") is None or isinstance(self.objective.get("metric"), str),
+                    "objective.metric", "must name a metric the task declares, e.g. valid_loss, bleu, glue_score")
+            if self.objective.get("direction") is not None:
+                p.choice("objective.direction", self.objective["direction"], DIRECTIONS)
         else:
-            p.add("objective", "must be {metric: NAME, direction: minimize|maximize}")
+            p.add("objective", "must be {metric: NAME} (the direction is the metric's declared one)")
         p.check(self.max_retries >= 0, "max_retries", f"must be >= 0, got {self.max_retries}")
         p.check(self.heartbeat_s >= 1, "heartbeat_s", f"must be >= 1, got {self.heartbeat_s}")
         p.check(self.grace_s > 2 * self.heartbeat_s, "grace_s",
@@ -230,7 +264,7 @@ class SweepConfig(Config):
             return
         unknown = sorted(set(t) - set(TUNE_DEFAULTS) - {"field", "low", "high"})
         p.check(not unknown, "tune", f"unknown keys {unknown}; valid: field, low, high, {', '.join(TUNE_DEFAULTS)}")
-        problem = _known_field(str(t.get("field")))
+        problem = _known_field(str(t.get("field")), self.stage_names)
         p.check(problem is None, "tune.field", problem or "")
         low, high = t.get("low"), t.get("high")
         if p.check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high, "tune.low",
@@ -238,10 +272,7 @@ class SweepConfig(Config):
             p.check(not self.tune_settings["log"] or low > 0, "tune.low", "a log-scale search needs low > 0")
         s = self.tune_settings
         p.check(isinstance(s["trials"], int) and s["trials"] >= 2, "tune.trials", f"must be >= 2, got {s['trials']!r}")
-        if p.choice("tune.pruner", s["pruner"], PRUNERS) and s["pruner"] != "none":
-            # the pruner compares the validation loss the trials log as they train: a loss, minimised
-            p.check(self.direction == "minimize", "tune.pruner",
-                    "pruning judges the logged validation loss, so it needs objective.direction: minimize")
+        p.choice("tune.pruner", s["pruner"], PRUNERS)  # (its objective's direction is checked with the plan)
         p.check(isinstance(s["seed"], int) and s["seed"] >= 0 and s["seed"] not in self.seeds, "tune.seed",
                 f"must be an integer >= 0 outside seeds={list(self.seeds)} (picking the best setting on a compared "
                 f"seed would flatter it), got {s['seed']!r}")
@@ -249,21 +280,48 @@ class SweepConfig(Config):
         p.check(t.get("field") not in axes_fields, "tune.field",
                 f"{t.get('field')} is also an axis; tune a field the axes do not set")
 
+    def _validate_stages(self, p: Problems) -> None:
+        if not self.stages:
+            return
+        if not isinstance(self.stages, dict) or len(self.stages) < 2:
+            p.add("stages", "must map at least two stage names to {base, set, init_from}")
+            return
+        p.check(self.base is None and not self.set, "stages",
+                "a study in stages gives each stage its base and set; remove the top-level base and set")
+        names = list(self.stages)
+        for i, (name, stage) in enumerate(self.stages.items()):
+            where = f"stages.{name}"
+            if not re.fullmatch(r"[A-Za-z0-9_]+", str(name)) or name in SECTIONS:
+                p.add(where, "a stage name uses letters, digits and _ and is not model, task or train")
+            if not isinstance(stage, dict):
+                p.add(where, "must be {base: EXPERIMENT.yaml, set: {...}, init_from: EARLIER_STAGE}")
+                continue
+            unknown = sorted(set(stage) - {"base", "set", "init_from"})
+            p.check(not unknown, where, f"unknown keys {unknown}; a stage has base, set and init_from")
+            p.check(stage.get("base") is not None, f"{where}.base", "each stage needs its base experiment")
+            p.check(isinstance(stage.get("set", {}), dict), f"{where}.set", "must map section.field to a value")
+            for key in stage.get("set") or {}:
+                problem = _known_field(str(key))
+                if problem:
+                    p.add(f"{where}.set.{key}", problem)
+            ref = stage.get("init_from")
+            if i == 0:
+                p.check(ref is None, f"{where}.init_from", "the first stage cannot start from another")
+            else:
+                p.check(ref in names[:i], f"{where}.init_from",
+                        f"a later stage starts from an earlier one: one of {names[:i]}, got {ref!r}")
+
+    @property
+    def stage_names(self) -> list[str]:
+        return list(self.stages) if isinstance(self.stages, dict) else []
+
     @property
     def tune_settings(self) -> dict[str, Any]:
         return {**TUNE_DEFAULTS, **(self.tune or {})}
 
-    @property
-    def metric(self) -> str:
-        return self.objective["metric"]
-
-    @property
-    def direction(self) -> str:
-        return self.objective.get("direction", "minimize")
-
     def parsed_axes(self, p: Problems | None = None) -> list[Axis]:
         p = p if p is not None else Problems()
-        axes = [parse_axis(str(name), raw, p) for name, raw in self.axes.items()]
+        axes = [parse_axis(str(name), raw, p, self.stage_names) for name, raw in self.axes.items()]
         parsed = [a for a in axes if a is not None]
         seen: set[str] = set()
         for a in parsed:

@@ -1,6 +1,8 @@
-"""Sweeps: expand a spec into points (plan), queue (point, seed) trials on Optuna's storage
-(queue, storage), run each trial in its own process (worker, trial), and rebuild the results
-table from the run directories (results). `runner.run_sweep` ties them together.
+"""Sweeps: expand a spec into points and refuse what would not reach the model (plan, reach),
+estimate the cost (estimate), queue (point, seed) trials on Optuna's storage (queue, storage),
+run each trial in its own process (worker, trial; tuning mode: tuning), and rebuild the results
+table from the run directories (results; where the files live: layout). `runner.run_sweep` ties
+them together.
 
 Names are imported lazily so that `python -m study.sweep.worker` / `.trial` start clean."""
 
@@ -8,7 +10,7 @@ import importlib
 
 _EXPORTS = {
     "Plan": "plan", "Point": "plan", "SweepSpecError": "plan", "expand": "plan", "load_spec": "plan",
-    "point_hash": "plan", "SweepOptions": "runner", "run_sweep": "runner", "status": "runner",
+    "check": "plan", "SweepOptions": "runner", "run_sweep": "runner", "status": "runner",
     "StorageError": "storage", "redact": "storage",
 }
 __all__ = sorted(_EXPORTS)

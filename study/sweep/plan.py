@@ -1,33 +1,25 @@
-"""Expand a sweep spec into points, validate every point, and estimate the cost.
+"""Expand a sweep spec into points and validate every point before anything runs.
 
-A *point* is one complete experiment config (minus the seed); a *trial* is a
-(point, seed) pair. Every point gets a content hash of its complete config, so the
-same point in two sweeps is the same run directory (`results/runs/<hash>/seed-<k>`)
-and is trained once.
+A *point* is one complete experiment config (minus the seed; a study in stages: a pipeline of them); a *trial* is a
+(point, seed) pair. Every point gets a content hash of its complete config, so the same point in two sweeps is the
+same run directory (`results/runs/<hash>/seed-<k>`) and is trained once. Beside each point's own validity, the plan
+checks that every swept value reaches the trained model and that the objective is a metric the task declares
+(`study.sweep.reach`); the cost estimate is `study.sweep.estimate`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import itertools
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from study.config import Config, ConfigError, ExperimentConfig
+from study.config import ConfigError, ExperimentConfig, PipelineConfig, content_hash
 from study.config.experiment import set_fields
-from study.config.sweep import NOT_APPLICABLE, Axis, SweepConfig
-
-# Throughput a training step reaches, as a fraction of the peak matmul rate, for the small
-# models these sweeps train on a CPU (measured here: ~50% for the default sweep's trials); used only for
-# the plan's time estimate, which says so.
-ASSUMED_UTILISATION = 0.45
-TRIAL_OVERHEAD_S = 15.0  # process start (import lightning ~5 s), data, final evaluation
+from study.config.pipeline import STAGE_REF
+from study.config.sweep import NOT_APPLICABLE, Axis, SweepConfig, route
 
 
 class SweepSpecError(ValueError):
@@ -40,7 +32,7 @@ class Point:
     label: str
     varied: str  # OFAT: the axis this point varies ('baseline' for the baseline); grid: 'grid'
     axes: dict[str, str]  # axis name -> value label
-    config: ExperimentConfig
+    config: ExperimentConfig | PipelineConfig
 
     @property
     def is_baseline(self) -> bool:
@@ -62,61 +54,44 @@ class Plan:
     invalid: list[tuple[str, list[str]]] = field(default_factory=list)  # (label, problems)
     excluded: list[str] = field(default_factory=list)
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (label, same as label)
+    refused: list[str] = field(default_factory=list)  # spec-wide problems: axes that miss the model, the objective
+    objective: dict[str, Any] = field(default_factory=dict)  # {metric, direction, scale, task}: as declared
+    tasks: dict[str, Any] = field(default_factory=dict)  # each task family's declarations (study.sweep.reach)
 
     @property
     def trials(self) -> list[tuple[Point, int]]:
         return [(p, s) for p in self.points for s in self.spec.seeds]
 
+    @property
+    def metric(self) -> str:
+        return self.objective["metric"]
+
+    @property
+    def direction(self) -> str:
+        return self.objective["direction"]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "sweep": self.spec.name,
             "design": self.spec.design,
-            "objective": {"metric": self.spec.metric, "direction": self.spec.direction},
+            "objective": dict(self.objective),
             "seeds": list(self.spec.seeds),
+            "stages": self.spec.stage_names,
             "axes": {a.name: a.labels for a in self.axes},
+            "axis_fields": {a.name: sorted({f for v in a.values.values() for f in v}) for a in self.axes},
             "points": [p.to_dict() for p in self.points],
             "excluded": self.excluded,
             "duplicates": [list(d) for d in self.duplicates],
+            "tasks": self.tasks,
             "spec": self.spec.to_dict(),
             "tune": self.spec.tune_settings if self.spec.tune else {},
         }
 
 
-def point_hash(cfg: ExperimentConfig) -> str:
-    """Content hash of everything that defines a point: the model, task and training config
-    without the experiment name and the seed.
-
-    Fields at their declared default are left out, so a release that adds a field (whose default keeps the old
-    behaviour, as a new field's must) leaves every existing point's hash, and so its run directory, unchanged: a
-    sweep resumed after an upgrade neither repeats its finished trials nor orphans them. The other side of that
-    bargain: changing an existing field's default changes what those points mean, and needs a new field instead."""
-    data = _without_defaults(cfg)
-    data.pop("name", None)
-    data.get("train", {}).pop("seed", None)
-    blob = json.dumps(data, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
-
-
-def _without_defaults(section: Config) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        if isinstance(value, Config):
-            out[f.name] = _without_defaults(value)
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = dataclasses.MISSING
-        if value != default:
-            out[f.name] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[SweepConfig, Path]:
-    """Read a sweep YAML; returns the spec and the folder its relative paths start from."""
+    """Read a sweep YAML; returns the spec and the folder its relative paths start from. `overrides` (as given to
+    `--set`): `section.field` (a study in stages: `model.field` or `STAGE.section.field`) sets the base config;
+    anything else (`seeds`, `workers`) a field of the spec itself."""
     path = Path(path)
     if not path.is_file():
         raise SweepSpecError(f"sweep spec {path} does not exist")
@@ -126,8 +101,16 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
         raise SweepSpecError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise SweepSpecError(f"{path}: a sweep spec is a mapping (name, base, axes, seeds, ...)")
+    stages = list(data.get("stages") or {}) if isinstance(data.get("stages"), dict) else []
     for key, value in (overrides or {}).items():
-        if key.split(".", 1)[0] in ("model", "task", "train"):  # `--set train.max_steps=50`: the base config
+        stage, field_path = route(key, stages)
+        if stage is not None:  # `--set pretrain.train.max_steps=50`: that stage's base config
+            data["stages"][stage] = {**data["stages"][stage],
+                                     "set": {**(data["stages"][stage].get("set") or {}), field_path: value}}
+        elif key.split(".", 1)[0] in ("model", "task", "train"):  # `--set train.max_steps=50`: the base config
+            if stages:
+                raise SweepSpecError(f"--set {key}: in a study in stages, name the stage "
+                                     f"({', '.join(f'{s}.{key}' for s in stages)})")
             data["set"] = {**(data.get("set") or {}), key: value}
         else:  # `--set seeds=[0]`: the spec's own fields
             data[key] = value
@@ -137,17 +120,42 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
         raise SweepSpecError(f"{path}: {err}") from None
 
 
-def _base_dict(spec: SweepConfig, root: Path) -> dict[str, Any]:
-    if isinstance(spec.base, dict):
-        data = dict(spec.base)
-    elif spec.base:
-        base_path = (root / spec.base) if not Path(spec.base).is_absolute() else Path(spec.base)
-        if not base_path.is_file():
-            raise SweepSpecError(f"base: experiment config {base_path} does not exist")
-        data = yaml.safe_load(base_path.read_text()) or {}
-    else:
-        data = {}
-    return set_fields(data, spec.set)
+def _read_base(base: Any, root: Path, where: str) -> dict[str, Any]:
+    if isinstance(base, dict):
+        return dict(base)
+    if not base:
+        return {}
+    base_path = (root / base) if not Path(base).is_absolute() else Path(base)
+    if not base_path.is_file():
+        raise SweepSpecError(f"{where}: experiment config {base_path} does not exist")
+    return yaml.safe_load(base_path.read_text()) or {}
+
+
+def base_configs(spec: SweepConfig, root: Path) -> dict[str | None, dict[str, Any]]:
+    """The base experiment mapping with the spec's `set` applied: {None: base}, or for a study in stages one per
+    stage, a later stage's `task.init_from` naming the stage it starts from (`stage:NAME`)."""
+    if not spec.stages:
+        return {None: set_fields(_read_base(spec.base, root, "base"), spec.set)}
+    out: dict[str | None, dict[str, Any]] = {}
+    for name, stage in spec.stages.items():
+        data = set_fields(_read_base(stage.get("base"), root, f"stages.{name}.base"), stage.get("set") or {})
+        if stage.get("init_from"):
+            data = set_fields(data, {"task.init_from": f"{STAGE_REF}{stage['init_from']}"})
+        out[name] = data
+    return out
+
+
+def build_config(spec: SweepConfig, bases: dict[str | None, dict[str, Any]],
+                 assignments: dict[str, Any]) -> ExperimentConfig | PipelineConfig:
+    """The point config: each assignment routed to its stage, sweeps logging to files (no progress bars)."""
+    per_stage: dict[str | None, dict[str, Any]] = {k: {"train.progress_bar": False} for k in bases}
+    for path, value in assignments.items():
+        stage, field_path = route(path, spec.stage_names)
+        per_stage[stage][field_path] = value
+    if not spec.stages:
+        return ExperimentConfig.from_dict(set_fields(bases[None], per_stage[None]))
+    stages = {k: set_fields(v, per_stage[k]) for k, v in bases.items()}
+    return PipelineConfig.from_dict({"name": spec.name, "stages": stages})
 
 
 def _combos(spec: SweepConfig, axes: list[Axis]) -> list[tuple[str, str, dict[str, str]]]:
@@ -195,114 +203,96 @@ def _combos(spec: SweepConfig, axes: list[Axis]) -> list[tuple[str, str, dict[st
     return combos
 
 
+def _point_problems(cfg: ExperimentConfig | PipelineConfig) -> list[str]:
+    stages = cfg.stages.items() if isinstance(cfg, PipelineConfig) else [(None, cfg)]
+    return [f"{name + '.' if name else ''}train.precision: auto resolves on each machine, and a sweep's workers may "
+            "differ: name it (32-true, bf16-mixed, ...)" for name, stage in stages if stage.train.precision == "auto"]
+
+
 def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
-    """Every point of the spec with its validated config; invalid points are collected, not raised."""
+    """Every point of the spec with its validated config; invalid points and the axes that would not reach the
+    trained model are collected (`check` raises them), not raised here."""
+    from study.sweep import reach
+
     axes = spec.parsed_axes()
     by_name = {a.name: a for a in axes}
-    base = _base_dict(spec, Path(root))
+    bases = base_configs(spec, Path(root))
     plan = Plan(spec=spec, axes=axes, points=[])
     seen: dict[str, str] = {}
     for label, varied, labels in _combos(spec, axes):
         if any(all(labels.get(k) == str(v) for k, v in rule.items()) for rule in spec.exclude):
             plan.excluded.append(label)
             continue
-        assignments: dict[str, Any] = {}
-        for name, value in labels.items():
-            if value != NOT_APPLICABLE:
-                assignments.update(by_name[name].values[value])
-        # sweeps log to files: no progress bars (and no point hash that depends on one)
-        data = set_fields(base, {**assignments, "train.progress_bar": False})
+        by_axis = {name: by_name[name].values[value] for name, value in labels.items() if value != NOT_APPLICABLE}
+        assignments = {k: v for fields in by_axis.values() for k, v in fields.items()}
         try:
-            cfg = ExperimentConfig.from_dict(data)
+            cfg = build_config(spec, bases, assignments)
         except ConfigError as err:
             plan.invalid.append((label, err.problems))
             continue
-        if cfg.train.precision == "auto":  # the seeds of a point share a run directory, whichever worker runs them
-            plan.invalid.append((label, ["train.precision: auto resolves on each machine, and a sweep's workers may "
-                                         "differ: name it (32-true, bf16-mixed, ...)"]))
+        if problems := _point_problems(cfg):
+            plan.invalid.append((label, problems))
             continue
-        digest = point_hash(cfg)
+        if spec.tune:
+            by_axis["tune"] = {spec.tune["field"]: None}
+        for problem in reach.reach_problems(spec, cfg, {f"axes.{k}" if k != "tune" else "tune.field": v
+                                                        for k, v in by_axis.items()}):
+            if problem not in plan.refused:
+                plan.refused.append(problem)
+        digest = content_hash(cfg)
         if digest in seen:  # e.g. a variant that equals the baseline
             plan.duplicates.append((label, seen[digest]))
             continue
         seen[digest] = label
         cfg = cfg.replace(name=f"point-{digest}")  # not the sweep: two sweeps share the run
         plan.points.append(Point(point=digest, label=label, varied=varied, axes=labels, config=cfg))
+    if plan.points:
+        _objective(plan)
     return plan
 
 
+def _objective(plan: Plan) -> None:
+    from study.sweep import reach
+
+    plan.objective, problem = reach.objective(plan.spec, plan.points[0].config)
+    if problem and problem not in plan.refused:
+        plan.refused.append(problem)
+    tune = plan.spec.tune_settings if plan.spec.tune else {}
+    if tune and tune["pruner"] != "none" and plan.objective.get("direction") != "minimize":
+        # the pruner compares the validation loss the trials log as they train: a loss, minimised
+        plan.refused.append("tune.pruner: pruning judges the logged validation loss, so it needs an objective "
+                            f"that is minimised; {plan.objective.get('metric')} is maximised")
+    for p in plan.points:
+        plan.tasks.update(reach.contracts(p.config))
+
+
 def check(plan: Plan) -> None:
-    """Raise SweepSpecError listing every invalid point: a spec with errors runs nothing."""
+    """Raise SweepSpecError listing every invalid point and every refused axis: a spec with errors runs nothing."""
+    lines = []
     if plan.invalid:
-        lines = [f"  {label}:\n" + "\n".join(f"    - {p}" for p in problems) for label, problems in plan.invalid]
-        raise SweepSpecError(f"sweep {plan.spec.name!r}: {len(plan.invalid)} invalid point(s); nothing was run\n"
-                             + "\n".join(lines))
+        lines.append(f"{len(plan.invalid)} invalid point(s):")
+        lines += [f"  {label}:\n" + "\n".join(f"    - {p}" for p in problems) for label, problems in plan.invalid]
+    if plan.refused:
+        lines.append("refused (a swept value must reach the trained model, and the objective must be a metric the "
+                     "task declares):")
+        lines += [f"  - {p}" for p in plan.refused]
+    if lines:
+        raise SweepSpecError(f"sweep {plan.spec.name!r}: nothing was run\n" + "\n".join(lines))
     if not plan.points:
         raise SweepSpecError(f"sweep {plan.spec.name!r}: the design has no points (every point excluded?)")
 
 
-def matmul_rate_flops(threads: int = 1, seconds: float = 0.3) -> float:
-    """This machine's float32 matmul rate (FLOP/s) with `threads` threads, measured in a fraction of a second."""
-    import time
-
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        n = 512
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        count, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            a @ b
-            count += 1
-        return 2 * n**3 * count / (time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(previous)
-
-
-def _planning_vocab(cfg: ExperimentConfig) -> int:
-    """The vocabulary the run will have: the task's tokenizer size when it sets one; char-level
-    vocabularies are small (at most a few hundred symbols); otherwise the model config's."""
-    if cfg.task.vocab_size:
-        return cfg.task.vocab_size
-    return 256 if cfg.task.tokenizer == "char" else cfg.model.vocab_size
-
-
-def estimate(plan: Plan, rate_flops: float | None = None, workers: int = 1, threads: int = 1) -> dict[str, Any]:
-    """Training FLOPs of the whole plan (from the accounting module) and a rough wall-clock time:
-    each trial's FLOPs at the matmul rate one trial's threads reach, times an assumed utilisation."""
-    from study.model.accounting import flops_per_token
-    from study.tasks.registry import predicted_fraction
-
-    per_point = []
-    for p in plan.points:
-        c = p.config
-        tokens_per_step = c.train.batch_size * c.train.accumulate * c.task.seq_len
-        model = c.model.replace(vocab_size=_planning_vocab(c))
-        flops = flops_per_token(model, c.task.seq_len, predicted_fraction=predicted_fraction(c))
-        flops *= tokens_per_step * c.train.max_steps
-        per_point.append(flops)
-    runs_per_point = len(plan.spec.seeds) + (plan.spec.tune_settings["trials"] if plan.spec.tune else 0)
-    total = sum(per_point) * runs_per_point
-    rate = rate_flops if rate_flops is not None else matmul_rate_flops(threads)
-    seconds = []
-    for p, flops in zip(plan.points, per_point):
-        s = flops / (rate * ASSUMED_UTILISATION * max(1, p.config.train.devices))  # DDP: devices share a trial
-        if p.config.train.max_time_s:
-            s = min(s, p.config.train.max_time_s)
-        seconds.append(s + TRIAL_OVERHEAD_S)
-    wall = sum(seconds) * runs_per_point / max(1, workers)
-    return {"train_flops": total, "matmul_flops_per_s": rate, "assumed_utilisation": ASSUMED_UTILISATION,
-            "estimated_wall_s": wall, "workers": workers}
-
-
 def describe(plan: Plan, cost: dict[str, Any] | None = None) -> str:
     """The plan as printed before anything runs."""
+    from study.sweep.estimate import si
+
     s = plan.spec
+    objective = plan.objective or {}
     lines = [f"sweep {s.name!r}: design={s.design}, {len(plan.points)} point(s) x {len(s.seeds)} seed(s) "
-             f"= {len(plan.trials)} trial(s); objective {s.direction} {s.metric}"]
+             f"= {len(plan.trials)} trial(s); objective {objective.get('direction')} {objective.get('metric')}"
+             + (f" ({objective['scale']}, declared by task {objective['task']!r})" if "scale" in objective else "")]
+    if s.stages:
+        lines.append("  stages: " + " -> ".join(s.stage_names) + f" (seeds are the {s.stage_names[0]} stage's)")
     if s.tune:
         t = s.tune_settings
         lines.append(f"  tuning mode: before its seeds, each point searches {t['field']} in [{t['low']}, {t['high']}]"
@@ -319,22 +309,10 @@ def describe(plan: Plan, cost: dict[str, Any] | None = None) -> str:
         lines.append(f"  skipped {label}: the same config as {same}")
     if cost:
         hours = cost["estimated_wall_s"] / 3600
-        lines.append(f"  cost: {_si(cost['train_flops'])}FLOP of training; at {_si(cost['matmul_flops_per_s'])}FLOP/s "
+        lines.append(f"  cost: {si(cost['train_flops'])}FLOP of training; at {si(cost['matmul_flops_per_s'])}FLOP/s "
                      f"matmul x {cost['assumed_utilisation']:.0%} utilisation (an assumption) and "
                      f"{cost['workers']} worker(s): about "
                      + (f"{hours * 60:.0f} min" if hours < 2 else f"{hours:.1f} h"))
     if s.cost_note:
         lines.append(f"  documented cost: {s.cost_note}")
     return "\n".join(lines)
-
-
-def _si(x: float) -> str:
-    for factor, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
-        if x >= factor:
-            return f"{x / factor:.1f} {prefix}"
-    return f"{x:.0f} "
-
-
-def default_threads(workers: int) -> int:
-    """CPU threads per trial so that `workers` trials share the cores without oversubscription."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))

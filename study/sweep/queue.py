@@ -294,11 +294,14 @@ class TrialQueue:
             self.storage.set_trial_user_attr(claimed.trial_id, k, v)
         self.study.tell(claimed.number, self._storable(value))
 
-    def fail(self, claimed: Claimed, error: str) -> bool:
-        """Record a failed attempt and re-queue it if retries are left; returns whether it was."""
+    def fail(self, claimed: Claimed, error: str, retry: bool = True) -> bool:
+        """Record a failed attempt and re-queue it if retries are left (and `retry`: a failure that would repeat,
+        such as a completed run without the objective, is not retried); returns whether it was."""
         self.storage.set_trial_user_attr(claimed.trial_id, "error", error[-2000:])
         self.storage.set_trial_user_attr(claimed.trial_id, "status", "failed")
         self.study.tell(claimed.number, state=TrialState.FAIL)
+        if not retry:
+            return False
         return self._requeue(self.storage.get_trial(claimed.trial_id), error.strip().splitlines()[-1] if error.strip() else "error")
 
     def release(self, claimed: Claimed, reason: str) -> None:

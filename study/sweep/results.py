@@ -1,10 +1,13 @@
 """The sweep's results table, rebuilt from the run directories (the record), one row per trial.
 
 Columns: identity (sweep, point, seed, trial_key, label, varied, is_baseline, axis.<name>,
-task, dataset), outcome (status, attempts, error, steps, diverged_at_step, train_tokens,
+ran_as_planned, task, dataset), outcome (status, attempts, error, steps, diverged_at_step, train_tokens,
 stopped_by), `metric.<name>` (nested metrics flattened with '.'), `cost.<name>`, and
 provenance (run_dir, env.*, data.fingerprint). Trials that never ran are rows with status
 'pending', so a partial sweep's table says what is missing.
+
+Labels come from what ran: each finished trial's `axis.<name>` is the axis value its resolved config.yaml holds
+(a pipeline: the config of the stage the axis belongs to), not the value the spec asked for.
 """
 
 from __future__ import annotations
@@ -14,25 +17,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from study.io import atomic_write, read_json, read_json_or_none
-from study.sweep.worker import FINISHED, SweepLayout, read_tuned
-
-STATUSES = ("completed", "diverged", "failed", "running", "pending")
-
-
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(f"{prefix}.{k}", v, out)
-    elif isinstance(value, bool):
-        out[prefix] = value
-    elif isinstance(value, (int, float)):
-        out[prefix] = float(value) if prefix.startswith("metric.") else value
-    elif isinstance(value, str):
-        # 'n/a' marks a metric that does not apply (learned positions past their table): a missing number
-        out[prefix] = float("nan") if prefix.startswith("metric.") and value == "n/a" else value
-    elif value is None and prefix.startswith("metric."):
-        out[prefix] = float("nan")  # n/a, e.g. learned positions beyond their table
+from study.record import FINISHED, PENDING, RUNNING, STATUSES, RunDir, flatten_record
+from study.sweep.layout import SweepLayout, read_tuned
 
 
 def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tuple[str, str]:
@@ -40,45 +29,102 @@ def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tup
         return metrics["status"], ""
     attempts = (trial or {}).get("attempts", [])
     if not attempts:
-        return "pending", ""
+        return PENDING, ""
     last = attempts[-1]
     if "ended" not in last:
-        return "running", ""
+        return RUNNING, ""
     if last.get("outcome") == "failed":
         return "failed", last.get("error", "")
-    return "pending", f"last attempt {last.get('outcome', 'ended')}"  # lost/interrupted: queued again
+    return PENDING, f"last attempt {last.get('outcome', 'ended')}"  # lost/interrupted: queued again
 
 
-def trial_row(sweep: str, point: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
-    cfg = point["config"]
+def _resolved_value(run: RunDir, record: dict[str, Any] | None, path: str, stages: list[str]) -> Any:
+    """The value the trial ran at axis path `path`, from the resolved config.yaml of the run directory that ran
+    it (a pipeline: of the stage the path belongs to); None when it has not run."""
+    from study.config.sweep import route
+
+    stage, field = route(path, stages)
+    directory = run.path
+    if stage is not None:
+        directory = Path(((record or {}).get("stages") or {}).get(stage, {}).get("run_dir", ""))
+    cfg = RunDir(directory).config if str(directory) else None
+    if cfg is None or not cfg.is_file():
+        return None
+    data = yaml.safe_load(cfg.read_text()) or {}
+    section, _, name = field.partition(".")
+    return (data.get(section) or {}).get(name, _MISSING)
+
+
+_MISSING = object()
+
+
+def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
+               record: dict[str, Any] | None) -> dict[str, str] | None:
+    """Each axis's label as the trial ran it (the value whose fields all equal its resolved config), or None
+    before it has run. '?' marks a resolved config that matches none of the axis's values."""
+    from study.config.sweep import SweepConfig
+
+    if record is None:
+        return None
+    spec = SweepConfig.from_dict(plan["spec"])
+    out = {}
+    for axis in spec.parsed_axes():
+        asked = point["axes"].get(axis.name)
+        if asked is None or asked == "n/a":
+            continue
+        ran = {f: _resolved_value(run, record, f, spec.stage_names) for f in axis.values[asked]}
+        if all(v is None for v in ran.values()):
+            continue  # no resolved config to read (a stand-in run or an older record): the plan's label stands
+        out[axis.name] = next((label for label, fields in axis.values.items()
+                               if all(ran.get(f, _MISSING) == v for f, v in fields.items())), "?")
+    return out
+
+
+def trial_row(plan: dict[str, Any], point: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
+    """One trial as a table row: identity, labels from what ran, outcome, metric.*, cost.*, provenance."""
+    run = RunDir(run_dir)
+    record = run.read()
     row: dict[str, Any] = {
-        "sweep": sweep, "point": point["point"], "seed": seed, "trial_key": f"{point['point']}-s{seed}",
+        "sweep": plan["sweep"], "point": point["point"], "seed": seed, "trial_key": f"{point['point']}-s{seed}",
         "label": point["label"], "varied": point["varied"], "is_baseline": point["is_baseline"],
     }
+    ran = ran_labels(plan, point, run, record if record and record.get("status") in FINISHED else None)
     for name, label in point["axes"].items():
-        row[f"axis.{name}"] = label
-    row["task"] = cfg["task"]["name"]
-    row["dataset"] = cfg["task"]["dataset"]
-    metrics = read_json_or_none(run_dir / "metrics.json")
-    trial = read_json_or_none(run_dir / "trial.json")
-    status, error = _status(metrics, trial)
-    row.update(status=status, attempts=len((trial or {}).get("attempts", [])), error=error)
-    m = metrics or {}
-    row.update(steps=m.get("steps"), diverged_at_step=m.get("diverged_at_step"),
-               train_tokens=m.get("train_tokens"), stopped_by=m.get("stopped_by"))
-    _flatten("metric", m.get("metrics", {}), row)
-    _flatten("cost", m.get("cost", {}), row)
+        row[f"axis.{name}"] = (ran or {}).get(name, label)
+    mismatched = {k: v for k, v in (ran or {}).items() if v != point["axes"].get(k)}
+    row["ran_as_planned"] = not mismatched
+    if mismatched:  # the plan refuses such axes; a row that slips through says what ran, never what was asked
+        row["label"] = f"{point['label']} (ran: " + ", ".join(f"{k}={v}" for k, v in mismatched.items()) + ")"
+    row.update(_task_columns(point["config"]))
+    status, error = _status(record, read_json_or_none(run.trial))
+    row.update(status=status, attempts=len((read_json_or_none(run.trial) or {}).get("attempts", [])), error=error)
+    flat = flatten_record(record or {})
+    flat.pop("status", None)
+    row.update({k: flat.get(k) for k in ("steps", "diverged_at_step", "train_tokens", "stopped_by")})
+    row.update({k: v for k, v in flat.items() if k.startswith(("metric.", "cost."))})
     row["run_dir"] = str(run_dir)
-    env = read_json_or_none(run_dir / "env.json") or {}
-    git = env.get("git") or {}
-    row["env.git"] = (git.get("commit", "") + ("+dirty" if git.get("dirty") else "")) if isinstance(git, dict) else git
-    row["env.torch"] = (env.get("packages") or {}).get("torch")
-    row["env.device"] = env.get("cuda") or env.get("device")
-    row["env.threads"] = env.get("torch_threads")
-    data = read_json_or_none(run_dir / "data.json")
-    row["data.fingerprint"] = (hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-                               if data else None)
+    row.update(_provenance(run))
     return row
+
+
+def _task_columns(cfg: dict[str, Any]) -> dict[str, Any]:
+    """task and dataset of the point (a pipeline: its last stage's, the one the objective is measured on)."""
+    if "stages" in cfg:
+        cfg = list(cfg["stages"].values())[-1]
+    return {"task": cfg["task"]["name"], "dataset": cfg["task"]["dataset"]}
+
+
+def _provenance(run: RunDir) -> dict[str, Any]:
+    env = read_json_or_none(run.env) or {}
+    git = env.get("git") or {}
+    data = read_json_or_none(run.data)
+    return {
+        "env.git": (git.get("commit", "") + ("+dirty" if git.get("dirty") else "")) if isinstance(git, dict) else git,
+        "env.torch": (env.get("packages") or {}).get("torch"),
+        "env.device": env.get("cuda") or env.get("device"),
+        "env.threads": env.get("torch_threads"),
+        "data.fingerprint": hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16] if data else None,
+    }
 
 
 def build_table(sweep_dir: str | Path):
@@ -94,12 +140,12 @@ def build_table(sweep_dir: str | Path):
         for s in plan["seeds"]:
             if plan.get("tune"):  # tuning mode: the seeds ran the point's tuned config (once tuning picked it)
                 run_dir = layout.run_dir(chosen["point"], s) if chosen.get("point") else layout.run_dir("untuned", s)
-                row = trial_row(plan["sweep"], p, s, run_dir)
+                row = trial_row(plan, p, s, run_dir)
                 row[f"tuned.{plan['tune']['field']}"] = chosen.get("value")
                 if chosen.get("error") and row["status"] == "pending":
                     row.update(status="failed", error=chosen["error"])
             else:
-                row = trial_row(plan["sweep"], p, s, layout.run_dir(p["point"], s))
+                row = trial_row(plan, p, s, layout.run_dir(p["point"], s))
             rows.append(row)
     df = pd.DataFrame(rows)
     for column in df.columns:  # a column mixing numbers and text (a task's own marker) is kept as text

@@ -1,11 +1,8 @@
 """`study sweep SPEC`: plan, validate, enqueue, run workers, write the results table.
 
-    results/<sweep>/spec.yaml        the spec as written
-    results/<sweep>/plan.json        every point with its complete config and content hash
-    results/<sweep>/points/*.yaml    the config each trial process reads
     results/<sweep>/study.db         the queue (SQLite by default; or --storage URL)
     results/<sweep>/results.parquet  one row per (point, seed), rebuilt from the run directories
-    results/runs/<point>/seed-<k>/   each trial's run directory (shared by every sweep with that point)
+    (and the files `study.sweep.layout` lists)
 
 Running the same command again continues an interrupted sweep, and says so and runs nothing
 once the sweep is complete. Other machines join by running the same command with the same
@@ -25,11 +22,13 @@ from typing import Any, Callable
 
 from study.io import atomic_write_json, atomic_write_text, read_json
 from study.sweep import plan as planning
+from study.sweep.estimate import default_threads, estimate
 from study.sweep.storage import default_url, open_storage, redact, validate_url
 from study.sweep.trial import DEFAULT_RUNNER
-from study.sweep.worker import (STORAGE_ENV, SweepLayout, WorkerOptions, die_with_parent, all_keys, finished_run,
-                                objective_value, open_queue, read_tuned, run_worker, settle_tuning_locked,
-                                trial_specs)
+from study.record import metric_value
+from study.sweep.layout import SweepLayout, all_keys, read_tuned, trial_specs
+from study.sweep.tuning import settle_tuning_locked
+from study.sweep.worker import STORAGE_ENV, WorkerOptions, die_with_parent, open_queue, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +52,10 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     """Validate the spec and every point, print the plan, write the sweep folder. Runs nothing."""
     spec, root = planning.load_spec(spec_path, overrides)
     plan = planning.expand(spec, root)
-    for label, problems in plan.invalid:
-        say(f"invalid point {label}: " + "; ".join(problems))
     planning.check(plan)
     workers = opts.workers or spec.workers
-    threads = opts.threads or planning.default_threads(workers)
-    say(planning.describe(plan, planning.estimate(plan, opts.estimate_rate, workers, threads)))
+    threads = opts.threads or default_threads(workers)
+    say(planning.describe(plan, estimate(plan, opts.estimate_rate, workers, threads)))
     layout = SweepLayout(Path(opts.results) / spec.name)
     url = opts.storage or default_url(layout.sweep_dir)
     validate_url(url)
@@ -94,9 +91,9 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     for s in specs:
         if s.kind != "seed":  # a tuning trial's config is sampled when it starts: nothing to find on disk
             continue
-        metrics = finished_run(layout.run_dir(s.config_point or s.point, s.seed))
+        metrics = layout.run(s.config_point or s.point, s.seed).finished()
         if metrics is not None:
-            finished[s.key] = objective_value(metrics, plan.spec.metric)
+            finished[s.key] = metric_value(metrics, plan.metric)
     with queue.lock():
         added = queue.sync_locked(specs, finished, retry_failed=True, verify_files=True)
         if plan_data.get("tune"):  # tuning that ended while no worker could settle it (a kill)
@@ -105,7 +102,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     say(f"storage {redact(url)}: {counts['done']}/{len(keys)} trials done, {counts['running']} running, "
         f"{counts['queued']} queued ({added['enqueued']} newly queued, {added['recorded']} found finished on disk)")
     workers = opts.workers or plan.spec.workers
-    threads = opts.threads or planning.default_threads(workers)
+    threads = opts.threads or default_threads(workers)
     if counts["done"] == len(keys):
         say(f"sweep {plan.spec.name!r} is complete: nothing to run")
     else:
@@ -119,7 +116,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     final = queue.counts(keys)
     _record_invocation(layout, started, workers, threads, final)  # first: the record outlives a table error
     df = write_table(layout.sweep_dir)
-    say(summary(df, plan.spec.metric))
+    say(summary(df, plan.metric))
     say(f"{final['done']}/{len(keys)} trials done; {final['failed']} failed"
         + (f"; see {layout.sweep_dir / 'results.csv'}" if len(df) else ""))
     return final
@@ -181,7 +178,7 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> str:
         lines.append(f"queue ({redact(url)}): " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     except Exception as err:  # status still reports the files when the queue is unreachable
         lines.append(f"queue ({redact(url)}) unavailable: {redact(str(err)).splitlines()[0]}")
-    on_disk = sum(finished_run(layout.run_dir(s.config_point or s.point, s.seed)) is not None for s in specs)
+    on_disk = sum(layout.run(s.config_point or s.point, s.seed).finished() is not None for s in specs)
     lines.append(f"finished seed-trial run directories: {on_disk}/{len(plan['points']) * len(plan['seeds'])}")
     return "\n".join(lines)
 

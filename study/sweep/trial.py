@@ -3,7 +3,9 @@
 A fresh process per trial gives every trial a fresh RNG state and returns all of its memory
 when it ends. The worker that starts it owns the queue bookkeeping; this process only trains
 and writes its run directory (atomically, through `study.run.run_experiment`, which resumes
-from the directory's last checkpoint when a previous attempt was interrupted).
+from the directory's last checkpoint when a previous attempt was interrupted). A point that is a
+pipeline keeps its shared stages beside every other run directory (results/runs/), where a plain
+sweep of that stage's config would put them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ DEFAULT_RUNNER = "study.run:run_experiment"
 
 
 def load_runner(spec: str) -> Callable:
+    """The function that runs a trial: the run layer's, or a stand-in named `module:function` (the sweep tests
+    replace training with scripted runs this way)."""
+    if spec == DEFAULT_RUNNER:
+        from study.run import run_experiment
+
+        return run_experiment
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -32,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runner", default=DEFAULT_RUNNER, help="module:function(cfg, run_dir, data_dir, cache_dir)")
     args = parser.parse_args(argv)
 
-    from study.config import ExperimentConfig
+    from study.config import PipelineConfig, load_experiment
 
-    cfg = ExperimentConfig.from_yaml(Path(args.config))
-    cfg = cfg.replace(train=cfg.train.replace(seed=args.seed))
-    load_runner(args.runner)(cfg, args.run_dir, data_dir=args.data_dir, cache_dir=args.cache_dir)
+    cfg = load_experiment(Path(args.config)).with_seed(args.seed)
+    extra = {"stage_root": Path(args.run_dir).parent.parent} if isinstance(cfg, PipelineConfig) else {}
+    load_runner(args.runner)(cfg, args.run_dir, data_dir=args.data_dir, cache_dir=args.cache_dir, **extra)
     return 0
 
 

@@ -4,6 +4,15 @@ record the outcome, repeat until no trial is waiting or running anywhere.
 `python -m study.sweep.worker --sweep-dir results/<sweep>` is what `study sweep --workers N`
 starts N times; the storage URL comes from $STUDY_STORAGE (never the command line, where
 `ps` would show its password).
+
+Why the liveness protocol is hand-built on Optuna's storage rather than Optuna's own heartbeat
+(`RDBStorage(heartbeat_interval=..., grace_period=...)` with `RetryFailedTrialCallback`): Optuna's
+heartbeat exists only for RDB storages (not the journal file this tool also supports), it is beaten
+from the process that runs `study.optimize`, and its retry re-creates the trial through the sampler.
+Here the trial runs in a child process (a fresh interpreter per trial, which must never hold the
+storage URL with its password), trials are enqueued fixed (point, seed) pairs with no sampler, a
+worker on the same host can see at once that a dead worker's process is gone (no grace period to
+wait out), and a retry must keep the key and count the attempt. `study.sweep.queue` holds the rest.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -20,12 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study.io import atomic_write_json, read_json, read_json_or_none
+from study.io import atomic_write_json, read_json
+from study.record import RunDir, metric_value
+from study.sweep import tuning
+from study.sweep.layout import SweepLayout, all_keys, read_tuned, trial_specs
 from study.sweep.queue import Claimed, TrialQueue, TrialSpec
 from study.sweep.trial import DEFAULT_RUNNER
 
 log = logging.getLogger(__name__)
-FINISHED = ("completed", "diverged")
 STORAGE_ENV = "STUDY_STORAGE"
 
 
@@ -38,74 +50,9 @@ def die_with_parent() -> None:
         pass
 
 
-@dataclass
-class SweepLayout:
-    """Where a sweep's files live: results/<sweep>/ for the sweep, results/runs/ for the runs."""
-
-    sweep_dir: Path
-
-    @property
-    def results_root(self) -> Path:
-        return self.sweep_dir.parent
-
-    def run_dir(self, point: str, seed: int) -> Path:
-        return self.results_root / "runs" / point / f"seed-{seed}"
-
-    def point_config(self, point: str) -> Path:
-        return self.sweep_dir / "points" / f"{point}.yaml"
-
-    @property
-    def plan_path(self) -> Path:
-        return self.sweep_dir / "plan.json"
-
-
-def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> list[TrialSpec]:
-    """Every trial the plan asks for. In tuning mode: each point's tuning trials, and its seed
-    trials once its tuning has picked a setting (`tuned`, from tuned.json)."""
-    tune = plan.get("tune") or {}
-    specs: list[TrialSpec] = []
-    for p in plan["points"]:
-        point, label = p["point"], p["label"]
-        if not tune:
-            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label) for s in plan["seeds"]]
-            continue
-        specs += [TrialSpec(key=f"{point}-tune{i}", point=point, seed=tune["seed"], label=label, kind="tune")
-                  for i in range(tune["trials"])]
-        chosen = (tuned or {}).get(point, {}).get("point")
-        if chosen:
-            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, config_point=chosen)
-                      for s in plan["seeds"]]
-    return specs
-
-
-def all_keys(plan: dict[str, Any]) -> list[str]:
-    """Every key the sweep will have when done (seed trials of tuned points included)."""
-    tune = plan.get("tune") or {}
-    keys = []
-    for p in plan["points"]:
-        keys += [f"{p['point']}-tune{i}" for i in range(tune.get("trials", 0))]
-        keys += [f"{p['point']}-s{s}" for s in plan["seeds"]]
-    return keys
-
-
-def read_tuned(layout: "SweepLayout") -> dict[str, Any]:
-    path = layout.sweep_dir / "tuned.json"
-    return read_json(path) if path.is_file() else {}
-
-
-def finished_run(run_dir: Path) -> dict[str, Any] | None:
-    metrics = read_json_or_none(run_dir / "metrics.json")
-    return metrics if metrics and metrics.get("status") in FINISHED else None
-
-
-def objective_value(metrics: dict[str, Any], metric: str) -> float | None:
-    value = metrics.get("metrics", {}).get(metric)
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 def _record_attempt(run_dir: Path, spec: TrialSpec, sweep: str, attempt: dict[str, Any]) -> None:
     """Append (or update) this attempt in run_dir/trial.json, the file record of every attempt."""
-    path = run_dir / "trial.json"
+    path = RunDir(run_dir).trial
     record = read_json(path) if path.is_file() else {"key": spec.key, "point": spec.point, "seed": spec.seed,
                                                       "attempts": []}
     attempts = [a for a in record["attempts"] if a.get("id") != attempt["id"]]
@@ -149,232 +96,181 @@ class TrialPruned(Exception):
     """The tuning pruner stopped this tuning trial early."""
 
 
-class PruningMonitor:
-    """Median pruning of tuning trials (Optuna's MedianPruner), fed from the trial's own CSV log.
-
-    The trial process never holds the storage URL (it may carry a password), so instead of a
-    pruning callback inside the trial, the worker reads the validation losses the trial logs
-    (`logs/metrics.csv`, column `val/loss`, flushed at every logged step), reports each new one
-    to the tuning trial, and stops the trial when the pruner says so."""
-
-    COLUMN = "val/loss"
-
-    def __init__(self, trial, run_dir: Path) -> None:
-        self.trial = trial
-        self.path = run_dir / "logs" / "metrics.csv"
-        self.reported: set[int] = set()
-        self.last: float | None = None
-
-    def should_prune(self) -> bool:
-        import csv
-
-        try:
-            with open(self.path, newline="") as f:
-                rows = list(csv.DictReader(f))
-        except OSError:
-            return False
-        for row in rows:
-            value, step = row.get(self.COLUMN), row.get("step")
-            if not value or not step or not step.isdigit() or int(step) in self.reported:
-                continue
-            try:
-                self.last = float(value)
-            except ValueError:  # a line still being written
-                continue
-            self.trial.report(self.last, int(step))
-            self.reported.add(int(step))
-        return bool(self.reported) and self.trial.should_prune()
+class TrialLost(Exception):
+    """Another worker declared this worker's trial lost and re-queued it."""
 
 
-def _tune_study(queue: TrialQueue, plan: dict[str, Any], point: str, index: int = 0):
-    """The per-point Optuna study whose TPE sampler proposes that point's tuning settings. The
-    sampler is seeded per tuning trial (`index`), not per worker: workers that start together
-    would otherwise draw the same first settings."""
-    import optuna
-
-    tune = plan["tune"]
-    return optuna.create_study(
-        study_name=f"{plan['sweep']}~tune~{point}", storage=queue.storage, direction=queue.direction,
-        sampler=optuna.samplers.TPESampler(seed=tune["sampler_seed"] * 10007 + index,
-                                           n_startup_trials=max(2, tune["trials"] // 3)),
-        pruner=optuna.pruners.MedianPruner(n_startup_trials=2) if tune["pruner"] == "median" else optuna.pruners.NopPruner(),
-        load_if_exists=True)
+class TrialPruned(Exception):
+    """The tuning pruner stopped this tuning trial early."""
 
 
-def _start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed):
-    """Ask TPE for this tuning trial's setting; write the config it runs. Returns (config point, tune trial)."""
-    from study.config import ExperimentConfig
-    from study.config.experiment import set_fields
-    from study.io import atomic_write_text
-    from study.sweep.plan import point_hash
+@dataclass
+class Attempt:
+    """One attempt at a claimed trial: where it runs, its file record and, in tuning mode, its TPE trial."""
 
-    tune = plan["tune"]
-    index = int(claimed.spec.key.rsplit("-tune", 1)[1])
-    study = _tune_study(queue, plan, claimed.spec.point, index)
-    trial = study.ask()
-    value = trial.suggest_float(tune["field"], tune["low"], tune["high"], log=tune["log"])
-    base = ExperimentConfig.from_yaml(layout.point_config(claimed.spec.point))
-    cfg = ExperimentConfig.from_dict(set_fields(base.to_dict(), {tune["field"]: value}))
-    digest = point_hash(cfg)
-    atomic_write_text(layout.point_config(digest), cfg.replace(name=f"point-{digest}").to_yaml())
-    queue.storage.set_trial_user_attr(claimed.trial_id, "config_point", digest)
-    queue.storage.set_trial_user_attr(claimed.trial_id, "tuned_value", value)
-    return digest, study, trial
+    claimed: Claimed
+    run_dir: Path
+    config_point: str
+    record: dict[str, Any]
+    tuning: tuple | None = None  # (Optuna study, Optuna trial) of a tuning trial
 
+    def write(self, sweep: str, **update: Any) -> None:
+        self.record.update(update)
+        _record_attempt(self.run_dir, self.claimed.spec, sweep, self.record)
 
-def _finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,
-                         study, trial, config_point: str, status: str, value: float | None, tell: bool = True) -> None:
-    """Tell TPE the outcome, record it in tuned.json, and settle the point if its tuning is over."""
-    import math
+    def tell_failed(self) -> None:
+        if self.tuning:
+            import optuna
 
-    from optuna.trial import TrialState
-
-    if tell:
-        ok = status == "completed" and value is not None and math.isfinite(value)
-        state = TrialState.PRUNED if status == "pruned" else TrialState.COMPLETE if ok else TrialState.FAIL
-        study.tell(trial, value if ok else None, state=state)
-    tune = plan["tune"]
-    point = claimed.spec.point
-    with queue.lock():
-        tuned = read_tuned(layout)
-        entry = tuned.setdefault(point, {"field": tune["field"], "trials": []})
-        entry["trials"].append({"key": claimed.spec.key, "value": trial.params.get(tune["field"]), "status": status,
-                                "objective": value, "config_point": config_point,
-                                "run_dir": str(layout.run_dir(config_point, claimed.spec.seed))})
-        atomic_write_json(layout.sweep_dir / "tuned.json", tuned)
-        settle_tuning_locked(queue, layout, plan, [point])
+            self.tuning[0].tell(self.tuning[1], state=optuna.trial.TrialState.FAIL)
 
 
-def settle_tuning_locked(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], points: list[str]) -> None:
-    """For each point whose tuning trials are all over: pick the best setting (once) and queue the
-    point's seed trials with it. The caller holds `queue.lock()`, so this happens exactly once."""
-    from optuna.trial import TrialState
-
-    tune = plan["tune"]
-    tuned = read_tuned(layout)
-    groups = queue.by_key()
-    changed = False
-    for point in points:
-        keys = [f"{point}-tune{i}" for i in range(tune["trials"])]
-        settled = all(any(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in groups.get(k, []))
-                      and not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in groups.get(k, []))
-                      for k in keys)
-        entry = tuned.get(point)
-        if not settled or entry is None:
-            continue
-        if not entry.get("point") and not entry.get("error"):
-            study = _tune_study(queue, plan, point)
-            finished = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
-            best = (min if queue.direction == "minimize" else max)(finished, key=lambda t: t.value) if finished else None
-            chosen = best and next((t for t in entry["trials"] if t["status"] == "completed"
-                                    and t["value"] == best.params[tune["field"]]), None)
-            if chosen:
-                entry.update(value=chosen["value"], objective=best.value, point=chosen["config_point"])
-            else:
-                entry["error"] = "no tuning trial finished; the point's seeds cannot run"
-            changed = True
-        if entry.get("point"):
-            specs = [s for s in trial_specs(plan, tuned) if s.point == point and s.kind == "seed"]
-            done = {s.key: objective_value(m, plan["objective"]["metric"]) for s in specs
-                    if (m := finished_run(layout.run_dir(entry["point"], s.seed))) is not None}
-            queue.sync_locked(specs, done)
-    if changed:
-        atomic_write_json(layout.sweep_dir / "tuned.json", tuned)
-
-
-def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any],
-              opts: WorkerOptions) -> str:
-    """Run one claimed trial in a subprocess; returns completed, diverged, failed or lost."""
-    import optuna
-
-    sweep, metric = plan["sweep"], plan["objective"]["metric"]
-    spec = claimed.spec
-    tuning = None
-    config_point = spec.config_point or spec.point
-    if spec.kind == "tune":
-        config_point, study, tune_trial = _start_tuning(queue, layout, plan, claimed)
-        tuning = (study, tune_trial)
-    run_dir = layout.run_dir(config_point, spec.seed)
+def _start(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any]) -> Attempt:
+    config_point, tuning_pair = claimed.spec.config_point or claimed.spec.point, None
+    if claimed.spec.kind == "tune":
+        config_point, study, tune_trial = tuning.start_tuning(queue, layout, plan, claimed)
+        tuning_pair = (study, tune_trial)
+    run_dir = layout.run_dir(config_point, claimed.spec.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
-    attempt = {"id": f"{sweep}#{claimed.number}", "trial": claimed.number, "attempt": claimed.attempt,
-               "worker": queue.worker, "started": time.time(), "kind": spec.kind}
-    _record_attempt(run_dir, spec, sweep, attempt)
-    cmd = [sys.executable, "-m", "study.sweep.trial", "--config", str(layout.point_config(config_point)),
-           "--seed", str(spec.seed), "--run-dir", str(run_dir), "--runner", opts.runner]
+    attempt = Attempt(claimed, run_dir, config_point,
+                      {"id": f"{plan['sweep']}#{claimed.number}", "trial": claimed.number,
+                       "attempt": claimed.attempt, "worker": queue.worker, "started": time.time(),
+                       "kind": claimed.spec.kind}, tuning_pair)
+    attempt.write(plan["sweep"])
+    return attempt
+
+
+def _command(layout: SweepLayout, attempt: Attempt, opts: "WorkerOptions") -> tuple[list[str], dict[str, str]]:
+    cmd = [sys.executable, "-m", "study.sweep.trial", "--config", str(layout.point_config(attempt.config_point)),
+           "--seed", str(attempt.claimed.spec.seed), "--run-dir", str(attempt.run_dir), "--runner", opts.runner]
     if opts.data_dir:
         cmd += ["--data-dir", str(opts.data_dir)]
     if opts.cache_dir:
         cmd += ["--cache-dir", str(opts.cache_dir)]
     env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}
     env.update(OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads), PYTHONUNBUFFERED="1")
-    log_path = run_dir / "trial.log"
-    pruning = PruningMonitor(tuning[1], run_dir) if tuning and plan["tune"]["pruner"] != "none" else None
-    with open(log_path, "ab") as out:
+    return cmd, env
+
+
+def _supervise(queue: TrialQueue, child: subprocess.Popen, attempt: Attempt, pruning) -> int:
+    """Wait for the trial process, beating the heartbeat; raises TrialLost when another worker took the trial
+    back, TrialPruned when the tuning pruner stops it."""
+    import optuna
+
+    while True:
+        try:
+            return child.wait(timeout=queue.heartbeat_s)
+        except subprocess.TimeoutExpired:
+            try:
+                queue.beat(attempt.claimed)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                raise TrialLost() from None
+            if not queue.still_mine(attempt.claimed):
+                raise TrialLost()
+            if pruning is not None and pruning.should_prune():
+                raise TrialPruned()
+
+
+def _stop(child: subprocess.Popen) -> None:
+    child.kill()
+    child.wait()
+
+
+def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any],
+              opts: "WorkerOptions") -> str:
+    """Run one claimed trial in a subprocess; returns completed, diverged, failed, pruned or lost."""
+    sweep = plan["sweep"]
+    attempt = _start(queue, layout, claimed, plan)
+    cmd, env = _command(layout, attempt, opts)
+    run = RunDir(attempt.run_dir)
+    pruning = (tuning.PruningMonitor(attempt.tuning[1], attempt.run_dir)
+               if attempt.tuning and plan["tune"]["pruner"] != "none" else None)
+    with open(run.trial_log, "ab") as out:
         out.write(f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n".encode())
         out.flush()
         child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         try:
-            while True:
-                try:
-                    rc = child.wait(timeout=queue.heartbeat_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    try:
-                        queue.beat(claimed)
-                    except optuna.exceptions.UpdateFinishedTrialError:
-                        raise TrialLost() from None
-                    if not queue.still_mine(claimed):
-                        raise TrialLost()
-                    if pruning is not None and pruning.should_prune():
-                        raise TrialPruned()
+            rc = _supervise(queue, child, attempt, pruning)
         except TrialPruned:
-            child.kill()
-            child.wait()
-            attempt.update(ended=time.time(), outcome="pruned")
-            _record_attempt(run_dir, spec, sweep, attempt)
-            queue.finish(claimed, "pruned", pruning.last, {"run_dir": str(run_dir)})
-            _finish_tuning_trial(queue, layout, plan, claimed, *tuning, config_point, "pruned", pruning.last)
+            _stop(child)
+            attempt.write(sweep, ended=time.time(), outcome="pruned")
+            queue.finish(claimed, "pruned", pruning.last, {"run_dir": str(attempt.run_dir)})
+            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.config_point, "pruned",
+                                       pruning.last)
             return "pruned"
         except TrialLost:
-            child.kill()
-            child.wait()
-            attempt.update(ended=time.time(), outcome="lost")
-            _record_attempt(run_dir, spec, sweep, attempt)
-            if tuning:
-                tuning[0].tell(tuning[1], state=optuna.trial.TrialState.FAIL)
+            _stop(child)
+            attempt.write(sweep, ended=time.time(), outcome="lost")
+            attempt.tell_failed()
             return "lost"
         except BaseException:  # Ctrl-C or SIGTERM: stop the child, give the trial back
-            child.kill()
-            child.wait()
-            attempt.update(ended=time.time(), outcome="interrupted")
-            _record_attempt(run_dir, spec, sweep, attempt)
+            _stop(child)
+            attempt.write(sweep, ended=time.time(), outcome="interrupted")
             queue.release(claimed, "worker interrupted")
-            if tuning:
-                tuning[0].tell(tuning[1], state=optuna.trial.TrialState.FAIL)
+            attempt.tell_failed()
             raise
-    metrics = finished_run(run_dir)
-    attempt.update(ended=time.time(), returncode=rc)
-    if rc == 0 and metrics is not None:
-        attempt["outcome"] = metrics["status"]
-        _record_attempt(run_dir, spec, sweep, attempt)
-        value = objective_value(metrics, metric)
-        queue.finish(claimed, metrics["status"], value,
-                     {"run_dir": str(run_dir), "steps": metrics.get("steps"),
-                      "diverged_at_step": metrics.get("diverged_at_step")})
-        if tuning:
-            _finish_tuning_trial(queue, layout, plan, claimed, *tuning, config_point, metrics["status"], value)
-        return metrics["status"]
-    error = _log_tail(log_path) or f"exit code {rc}"
-    if rc == 0:
-        error += "\n(the trial exited without writing a finished metrics.json)"
-    attempt.update(outcome="failed", error=error.splitlines()[-1] if error else "")
-    _record_attempt(run_dir, spec, sweep, attempt)
-    requeued = queue.fail(claimed, error)
-    if tuning:
-        tuning[0].tell(tuning[1], state=optuna.trial.TrialState.FAIL)
+    return _settle(queue, layout, plan, attempt, rc)
+
+
+def _settle(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attempt: Attempt, rc: int) -> str:
+    """Record how an attempt that ran to its end ended: a result (completed or diverged), or a failure (an error,
+    or a completed run whose objective is not in its record: a result nothing could rank)."""
+    sweep, metric, claimed = plan["sweep"], plan["objective"]["metric"], attempt.claimed
+    run = RunDir(attempt.run_dir)
+    record = run.finished()
+    attempt.record.update(ended=time.time(), returncode=rc)
+    value = metric_value(record, metric) if record else None
+    if rc == 0 and record is not None and (record["status"] != "completed" or value is not None):
+        attempt.write(sweep, outcome=record["status"])
+        queue.finish(claimed, record["status"], value,
+                     {"run_dir": str(attempt.run_dir), "steps": record.get("steps"),
+                      "diverged_at_step": record.get("diverged_at_step")})
+        if attempt.tuning:
+            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.config_point,
+                                       record["status"], value)
+        return record["status"]
+    retry = True
+    if rc == 0 and record is not None:  # completed, but the objective is missing: the same on every retry
+        written = sorted(k[len("metric."):] for k, v in _numeric_metrics(record).items())
+        error = (f"the run completed but its metrics.json has no finite {metric!r}, the sweep's objective; "
+                 f"it has {written[:12]}")
+        retry = False
+    else:
+        error = _log_tail(run.trial_log) or f"exit code {rc}"
+        if rc == 0:
+            error += "\n(the trial exited without writing a finished metrics.json)"
+    attempt.write(sweep, outcome="failed", error=error.splitlines()[-1] if error else "")
+    requeued = queue.fail(claimed, error, retry=retry)
+    if attempt.tuning:
+        attempt.tell_failed()
         if not requeued:  # this tuning trial failed for good: the point's tuning may now be settled
-            _finish_tuning_trial(queue, layout, plan, claimed, *tuning, config_point, "failed", None, tell=False)
+            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.config_point,
+                                       "failed", None, tell=False)
     return "failed"
+
+
+def _numeric_metrics(record: dict[str, Any]) -> dict[str, float]:
+    from study.record import flatten_record
+
+    return {k: v for k, v in flatten_record(record).items() if k.startswith("metric.")
+            and isinstance(v, float) and math.isfinite(v)}
+
+
+@dataclass
+class WorkerOptions:
+    data_dir: str | None = None
+    cache_dir: str | None = None
+    threads: int = 1
+    runner: str = DEFAULT_RUNNER
+    poll_s: float = 2.0
+    max_trials: int | None = None  # stop after this many (tests)
+
+
+@dataclass
+class WorkerSummary:
+    ran: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
 
 
 def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> WorkerSummary:
@@ -397,14 +293,23 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
         log.info("%s: trial %d %s%s seed %d (attempt %d)", queue.worker, claimed.number, claimed.spec.label,
                  " (tuning)" if claimed.spec.kind == "tune" else "", claimed.spec.seed, claimed.attempt)
         outcome = run_trial(queue, layout, claimed, plan, opts)
-        log.info("%s: trial %d %s seed %d: %s", queue.worker, claimed.number, claimed.spec.label,
-                 claimed.spec.seed, outcome)
+        log.info("%s: trial %d %s seed %d: %s%s", queue.worker, claimed.number, claimed.spec.label,
+                 claimed.spec.seed, outcome, _objective_text(layout, claimed, plan))
         summary.ran.append(claimed.spec.key)
         if outcome == "failed":
             summary.failed.append(claimed.spec.key)
         elif outcome == "lost":
             summary.lost.append(claimed.spec.key)
     return summary
+
+
+def _objective_text(layout: SweepLayout, claimed: Claimed, plan: dict[str, Any]) -> str:
+    """', valid_loss 1.4821' for a finished trial: each trial's number as it finishes, not only at the end."""
+    metric = plan["objective"]["metric"]
+    point = claimed.spec.config_point or claimed.spec.point
+    record = RunDir(layout.run_dir(point, claimed.spec.seed)).finished()
+    value = metric_value(record, metric) if record else None
+    return f", {metric} {value:.4g}" if value is not None else ""
 
 
 def open_queue(plan: dict[str, Any], storage_url: str) -> TrialQueue:

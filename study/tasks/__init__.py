@@ -1,0 +1,37 @@
+"""Task families: what is trained on which data, and measured how.
+
+Each family is one `TaskFamily` (`study.tasks.contract`) declaring its metrics, the fields it reads and its hooks;
+`family(name)` imports it on first use, so a run pays only for its own family's imports (GLUE's metrics pull in
+scikit-learn and scipy, translation's sacreBLEU: seconds of start-up for an experiment that never uses them).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from study.tasks.contract import TaskFamily
+
+# task.name -> "module:TaskFamily subclass"
+FAMILIES = {
+    "lm": "study.tasks.lm:LanguageModelling",
+    "translation": "study.tasks.translation:Translation",
+    "pretrain": "study.tasks.pretrain:Pretraining",
+    "glue": "study.tasks.glue:Glue",
+}
+
+
+@functools.cache
+def family(name: str) -> "TaskFamily":
+    """The task family `task.name` names (a ValueError listing the families for an unknown name)."""
+    from study.tasks.contract import TaskFamily
+
+    if name not in FAMILIES:
+        raise ValueError(f"task.name: {name!r} has no implementation; implemented: {sorted(FAMILIES)}")
+    module, _, cls_name = FAMILIES[name].partition(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    if not (isinstance(cls, type) and issubclass(cls, TaskFamily)) or cls.name != name:
+        raise TypeError(f"{FAMILIES[name]} is not the TaskFamily of task {name!r}")
+    return cls()

@@ -102,7 +102,9 @@ class StudyModule(L.LightningModule):
         self.step_logs: dict[str, Any] = {}  # this step's training values, logged in on_train_batch_end
 
     @property
-    def net(self) -> nn.Module:
+    def forward_model(self) -> nn.Module:
+        """What a training or evaluation step calls: the model's torch.compile'd forward with train.compile, else
+        the model itself (the two share weights; checkpoints hold only `self.model`'s)."""
         return self._compiled if self._compiled is not None else self.model
 
     def precision_context(self) -> contextlib.AbstractContextManager:

@@ -1,10 +1,12 @@
 """Causal language modelling: WikiText-2 (word level) and Tiny Shakespeare (character level).
 
 Training batches are random windows of the training stream (as nanoGPT samples
-them). Evaluation is perplexity over non-overlapping windows of the whole split,
-at the training length and at multiples of it (length extrapolation; Press et al.
-2022 evaluate ALiBi this way). A scheme with a fixed position table (learned) is
-reported as not applicable beyond `max_seq_len`, not crashed.
+them). Evaluation is perplexity over non-overlapping windows of each split the
+corpus has, at the training length and at multiples of it (length extrapolation;
+Press et al. 2022 evaluate ALiBi this way) on its last split (test, or valid for
+Tiny Shakespeare, which has no test split: no metric calls validation "test").
+A scheme with a fixed position table (learned) is reported as not applicable
+beyond `max_seq_len`, not crashed.
 """
 
 from __future__ import annotations
@@ -16,12 +18,47 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from study.model.positions import POSITIONS  # TEMP until study.axes lands
 from study.config import ExperimentConfig
-from study.model.positions import POSITIONS
+from study.record import NOT_APPLICABLE
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
+from study.tasks.contract import MetricSpec, TaskFamily
 from study.tasks.data import build_lm_tokenizer, load_lm_corpus
 
-NOT_APPLICABLE = "n/a"
+_UNIFORM = "ln(vocabulary size) nats for a uniform prediction; the unigram entropy for the best constant one"
+
+
+class LanguageModelling(TaskFamily):
+    """Next-token prediction with a decoder (`lm`)."""
+
+    name = "lm"
+    metrics = (
+        MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, description="validation cross-entropy"),
+        MetricSpec("valid_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
+        MetricSpec("test_loss", "minimize", "nats/token", _UNIFORM, description="written when the corpus has a test "
+                   "split (WikiText-2; not Tiny Shakespeare)"),
+        MetricSpec("test_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
+        MetricSpec("*_ppl_by_length.*", "minimize", "perplexity",
+                   "the vocabulary size for a uniform prediction", objective=False,
+                   description="perplexity at each evaluation length (key: tokens) on the last split; 'n/a' where "
+                               "a position table cannot reach"),
+        MetricSpec("*_ppl_at_2x", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
+                   description="perplexity at twice the training length (Press et al. 2022's extrapolation test)"),
+    )
+    default_objective = "valid_loss"
+    reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "eval_lengths", "eval_tokens"})
+
+    def implementation(self):
+        return LMDataModule, LMModule
+
+    def unwritten_metric(self, cfg: ExperimentConfig, metric: str) -> str | None:
+        from study.tasks.data.lm import EVAL_SPLITS
+
+        split = metric.split("_", 1)[0]
+        splits = EVAL_SPLITS.get(cfg.task.dataset, ("valid", "test"))
+        if split in ("valid", "test") and split not in splits:
+            return f"{cfg.task.dataset} has no {split} split (only {list(splits)}): {metric} is never written"
+        return None
 
 
 class LMDataModule(StudyDataModule):
@@ -37,8 +74,7 @@ class LMDataModule(StudyDataModule):
         if task.tokenizer == "word":
             options["newline_token"] = "<eos>"  # the standard WikiText-2 setup: each line ends with <eos>
         self.tokenizer = build_lm_tokenizer(task.tokenizer, corpus, task.vocab_size, (), self.cache_dir, **options)
-        for split in ("train", "valid", "test"):
-            text = corpus.splits[split]
+        for split, text in corpus.splits.items():
             if task.tokenizer == "char":
                 ids = self.tokenizer.encode(text)
             else:
@@ -87,12 +123,12 @@ class LMModule(StudyModule):
         smoothing = self.cfg.train.label_smoothing
         if smoothing == 0 and self._compiled is None:
             return self.model.loss(x, y), y.numel()  # fused: no (tokens, vocab) logits in memory
-        loss = F.cross_entropy(self.net(x).flatten(0, 1).float(), y.flatten(), label_smoothing=smoothing)
+        loss = F.cross_entropy(self.forward_model(x).flatten(0, 1).float(), y.flatten(), label_smoothing=smoothing)
         return loss, y.numel()
 
     def validation_loss(self, batch) -> tuple[torch.Tensor, int]:
         x, y = batch
-        return F.cross_entropy(self.net(x).flatten(0, 1).float(), y.flatten()), y.numel()
+        return F.cross_entropy(self.forward_model(x).flatten(0, 1).float(), y.flatten()), y.numel()
 
     @torch.no_grad()
     def split_loss(self, batches) -> float:
@@ -102,34 +138,37 @@ class LMModule(StudyModule):
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
             with self.precision_context():
-                logits = self.net(x)
+                logits = self.forward_model(x)
             total += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
             count += y.numel()
         return total / max(count, 1)
 
     def final_metrics(self, dm: LMDataModule) -> dict[str, Any]:
-        """Validation and test loss/perplexity at the training length, and perplexity at each
-        multiple of it (length extrapolation)."""
+        """Loss and perplexity at the training length on every evaluation split the corpus has (valid, and test
+        where there is one), and on the last of them perplexity at each multiple of the training length (length
+        extrapolation), named by that split: `test_ppl_by_length` on WikiText-2, `valid_ppl_by_length` on Tiny
+        Shakespeare."""
         cfg = self.cfg
         out: dict[str, Any] = {}
         t = cfg.task.seq_len
-        for split in ("valid", "test"):
-            if split == "test" and torch.equal(dm.ids["test"], dm.ids["valid"]):
-                loss = out["valid_loss"]  # Tiny Shakespeare has no test split: it reuses valid
-            else:
-                loss = self.split_loss(dm.windows(split, t))
+        splits = [s for s in ("valid", "test") if s in dm.ids]
+        for split in splits:
+            loss = self.split_loss(dm.windows(split, t))
             out[f"{split}_loss"] = loss
             out[f"{split}_ppl"] = math.exp(loss)
+        last = splits[-1]
         extrapolates = POSITIONS[cfg.model.position].extrapolates
         curve = {}
         for k in cfg.task.eval_lengths:
             length = k * t
             if k == 1:
-                curve[str(length)] = out["test_ppl"]
+                curve[str(length)] = out[f"{last}_ppl"]
             elif not extrapolates and length > cfg.model.max_seq_len:
                 curve[str(length)] = NOT_APPLICABLE
             else:
-                curve[str(length)] = math.exp(self.split_loss(dm.windows("test", length)))
-        out["test_ppl_by_length"] = curve
+                curve[str(length)] = math.exp(self.split_loss(dm.windows(last, length)))
+        out[f"{last}_ppl_by_length"] = curve
+        if str(2 * t) in curve:
+            out[f"{last}_ppl_at_2x"] = curve[str(2 * t)]
         return out
 

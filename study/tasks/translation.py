@@ -20,7 +20,32 @@ import torch.nn.functional as F
 from study.config import ExperimentConfig
 from study.model.generate import beam_search, greedy_decode
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
+from study.tasks.contract import MetricSpec, TaskFamily
 from study.tasks.data import build_translation_tokenizers, load_translation
+
+class Translation(TaskFamily):
+    """Sequence-to-sequence translation with an encoder-decoder, scored with sacreBLEU (`translation`)."""
+
+    name = "translation"
+    metrics = (
+        MetricSpec("bleu", "maximize", "BLEU (0-100)", "about 0 (a constant sentence shares few n-grams)",
+                   description="sacreBLEU on the first of task.test_sets, cased and detokenized (13a)"),
+        MetricSpec("chrf", "maximize", "chrF (0-100)", "a few points (character n-grams of a constant sentence)",
+                   description="sacreBLEU's chrF on the first of task.test_sets"),
+        MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0"),
+        MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points"),
+        MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False,
+                   description="wall time of beam-search decoding of the test set (a measured cost)"),
+        MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False),
+    )
+    default_objective = "bleu"
+    reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "src_lang", "tgt_lang",
+                                   "joint_vocab", "beam_size", "length_penalty", "max_len_a", "max_len_b",
+                                   "test_sets"})
+
+    def implementation(self):
+        return TranslationDataModule, TranslationModule
+
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 PAD, BOS, EOS = 0, 1, 2
@@ -93,7 +118,7 @@ class TranslationDataModule(StudyDataModule):
 
 class TranslationModule(StudyModule):
     def training_loss(self, batch) -> tuple[torch.Tensor, int]:
-        logits = self.net(batch["src"], batch["tgt_in"], batch["src_mask"])
+        logits = self.forward_model(batch["src"], batch["tgt_in"], batch["src_mask"])
         labels = batch["labels"]
         loss = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
@@ -102,7 +127,7 @@ class TranslationModule(StudyModule):
         return loss, int((labels != IGNORE).sum())
 
     def validation_loss(self, batch) -> tuple[torch.Tensor, int]:
-        logits = self.net(batch["src"], batch["tgt_in"], batch["src_mask"])
+        logits = self.forward_model(batch["src"], batch["tgt_in"], batch["src_mask"])
         labels = batch["labels"]
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE), int((labels != IGNORE).sum())
 

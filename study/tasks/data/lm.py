@@ -23,6 +23,8 @@ from study.tasks.data.sources import (
 
 LM_CORPORA = ("wikitext-2", "tinyshakespeare")
 LM_SPLITS = ("train", "valid", "test")
+# the evaluation splits each corpus has (Tiny Shakespeare: nanoGPT's 90/10 cut, no test split)
+EVAL_SPLITS = {"wikitext-2": ("valid", "test"), "tinyshakespeare": ("valid",)}
 
 WIKITEXT2 = DatasetSource(
     name="wikitext-2",
@@ -58,7 +60,8 @@ class LMCorpus:
 
     Fields:
       name: "wikitext-2" or "tinyshakespeare".
-      splits: {"train", "valid", "test"} -> the split's full text (lines end with "\\n").
+      splits: {"train", "valid"[, "test"]} -> the split's full text (lines end with "\\n"); Tiny Shakespeare has
+        no test split.
       documents: WikiText-2 only: split -> list of articles, each the text of its lines (heading included), so
         `"".join(documents[s]) == splits[s]`; blank lines before the first heading belong to the first article.
         None for Tiny Shakespeare.
@@ -85,6 +88,8 @@ class LMCorpus:
 
     @property
     def test(self) -> str:
+        if "test" not in self.splits:
+            raise KeyError(f"{self.name} has no test split (only {sorted(self.splits)})")
         return self.splits["test"]
 
     def lines(self, split: str) -> list[str]:
@@ -184,12 +189,12 @@ def _tinyshakespeare_corpus(text: str, fingerprint: dict) -> LMCorpus:
     valid = text[cut:]
     return LMCorpus(
         name="tinyshakespeare",
-        splits={"train": text[:cut], "valid": valid, "test": valid},
-        fingerprint={**fingerprint, "split": "first 90% train, last 10% valid (nanoGPT); test = valid"},
+        splits={"train": text[:cut], "valid": valid},
+        fingerprint={**fingerprint, "split": "first 90% train, last 10% valid (nanoGPT); no test split"},
         documents=None,
         level="char",
         unk_token=None,
-        notes="No official split: first 90% of characters train, last 10% valid (nanoGPT); test is valid.",
+        notes="No official split: first 90% of characters train, last 10% valid (nanoGPT); no test split.",
     )
 
 
@@ -220,7 +225,8 @@ def load_lm_corpus(name: str, data_dir: str | os.PathLike[str] | None = None) ->
         `valid.txt`, `test.txt` (the PyTorch word-language-model names; `wiki.{split}.tokens[.gz]` also accepted).
         Hub: `Salesforce/wikitext`, config `wikitext-2-v1`. `documents` gives the articles of each split.
       "tinyshakespeare": Karpathy's `input.txt`. It has no official split: train is the first 90% of the
-        characters and valid the last 10% (nanoGPT's split); **test is the same text as valid**.
+        characters and valid the last 10% (nanoGPT's split); **there is no test split** (a test number would be the
+        validation split under another name).
         Hub: `karpathy/tiny_shakespeare` (its three splits are re-joined, then split as above).
 
     data_dir: local data folder (else `$STUDY_DATA_DIR`, else the hub). Raises DatasetUnavailable if no source works,

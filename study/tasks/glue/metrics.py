@@ -2,8 +2,9 @@
 
 Per task (`GlueTaskInfo.metrics`): CoLA Matthews correlation; SST-2, QNLI, RTE, WNLI accuracy; MRPC and QQP F1 (of
 the positive class: equivalent / duplicate) and accuracy; STS-B Pearson and Spearman correlation; MNLI accuracy on
-the matched and the mismatched dev sets. Values are fractions (accuracy 0.87, MCC 0.52); scores are on the
-leaderboard's 0-100 scale.
+the matched and the mismatched dev sets. The metric functions return what scikit-learn and scipy return (fractions:
+accuracy 0.87, MCC 0.52); `compute_metrics` puts them on the leaderboard's 0-100 scale, the one scale every GLUE
+number is recorded and reported in.
 
 The GLUE score, as the benchmark defines it (and the leaderboard computes it): a task's score is the mean of its
 metrics (MRPC: F1 and accuracy; STS-B: Pearson and Spearman; QQP: F1 and accuracy; MNLI: matched and mismatched
@@ -59,18 +60,18 @@ METRICS = {"mcc": mcc, "accuracy": accuracy, "f1": f1, "pearson": pearson, "spea
 
 
 def compute_metrics(names: Sequence[str], labels: Sequence, preds: Sequence) -> dict[str, float]:
-    """{metric: value} for each of `names` (keys of METRICS)."""
+    """{metric: value on the 0-100 scale} for each of `names` (keys of METRICS)."""
     if len(labels) != len(preds):
         raise ValueError(f"{len(labels)} labels but {len(preds)} predictions")
-    return {name: METRICS[name](labels, preds) for name in names}
+    return {name: 100.0 * METRICS[name](labels, preds) for name in names}
 
 
 def task_score(per_split: Mapping[str, Mapping[str, float]]) -> float:
-    """A task's GLUE score (0-100): the mean of all its metrics over its dev splits (MNLI: m and mm)."""
+    """A task's GLUE score (0-100): the mean of all its metrics (0-100) over its dev splits (MNLI: m and mm)."""
     values = [v for split in per_split.values() for v in split.values()]
     if not values:
         raise ValueError("no metrics to score")
-    return 100.0 * sum(values) / len(values)
+    return sum(values) / len(values)
 
 
 def glue_score(task_scores: Mapping[str, float]) -> float:

@@ -1,0 +1,57 @@
+"""Content hashes of experiments: the same experiment is the same run directory, in every sweep, and trains once."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from study.config.base import Config
+
+
+def content_hash(cfg: Config) -> str:
+    """Content hash of everything that defines an experiment (or a pipeline of them): the model, task and training
+    config without the experiment's name and its seed (a pipeline: without the first stage's seed, which is the
+    trial's).
+
+    Fields at their declared default are left out, so a release that adds a field (whose default keeps the old
+    behaviour, as a new field's must) leaves every existing point's hash, and so its run directory, unchanged: a
+    sweep resumed after an upgrade neither repeats its finished trials nor orphans them. The other side of that
+    bargain: changing an existing field's default changes what those points mean, and needs a new field instead."""
+    from study.config.pipeline import PipelineConfig
+
+    if isinstance(cfg, PipelineConfig):
+        stages = [_identity(stage, drop_seed=i == 0) for i, stage in enumerate(cfg.stages.values())]
+        data: Any = {"stages": dict(zip(cfg.stages, stages))}
+    else:
+        data = _identity(cfg, drop_seed=True)
+    blob = json.dumps(data, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _identity(cfg: Config, drop_seed: bool) -> dict[str, Any]:
+    data = without_defaults(cfg)
+    data.pop("name", None)
+    if drop_seed:
+        data.get("train", {}).pop("seed", None)
+    return data
+
+
+def without_defaults(section: Config) -> dict[str, Any]:
+    """The fields of `section` (recursively) whose value differs from the declared default."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, Config):
+            out[f.name] = without_defaults(value)
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if value != default:
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out

@@ -1,0 +1,161 @@
+"""The run record: what a run directory holds, the `metrics.json` schema, and the statuses a run can end in.
+
+One module owns these, and the run layer (which writes them), the sweep (which queues and tabulates them) and the
+report (which reads them) all use it. It imports nothing from the rest of `study` but `study.io`, and nothing heavy,
+so the report package can read records without the model stack.
+
+    <run_dir>/config.yaml    the resolved experiment: what ran, not what was asked (labels are read from here)
+    <run_dir>/env.json       code version, packages, device, precision, attention kernels
+    <run_dir>/data.json      fingerprint of the data actually read
+    <run_dir>/metrics.json   the record below, written last and atomically: its presence means the run ended
+    <run_dir>/model.pt       final weights (a plain state dict: torch.load(weights_only=True))
+    <run_dir>/checkpoints/   last.ckpt for resuming (model, optimizer, scheduler, RNG, data position)
+    <run_dir>/logs/          metrics.csv: the training curves (Lightning's CSV logger)
+    <run_dir>/trial.json     (sweeps) every attempt at this run: worker, start, end, outcome
+    <run_dir>/trial.log      (sweeps) the trial process's output
+
+A run made of several runs (a GLUE suite, a pretrain -> fine-tune pipeline) has the same files at its top and one
+ordinary run directory per part below it.
+
+`metrics.json` (schema 2):
+
+    schema             2 (records without it are schema 1: bench/results/run-*.json, older sweeps)
+    status             completed | diverged (a result: training blew up, recorded with its step)
+    diverged_at_step   the step, when diverged
+    steps, train_tokens, stopped_by ('time' when the time budget ended training before max_steps)
+    metrics            the task's final metrics, by the names its task family declares
+    declared           {metric name: {direction, scale, constant, objective, description}}: the declarations of the
+                       task family that wrote them, so a reader never guesses a metric's direction or scale
+    cost               parameters, FLOPs, KV-cache bytes (computed from the config), throughput and memory (measured)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from study.io import atomic_write_json, read_json_or_none
+
+SCHEMA = 2
+COMPLETED, DIVERGED, FAILED, RUNNING, PENDING = "completed", "diverged", "failed", "running", "pending"
+FINISHED = (COMPLETED, DIVERGED)  # a run directory in one of these holds a result and is never run again
+STATUSES = (COMPLETED, DIVERGED, FAILED, RUNNING, PENDING)  # a trial's status in a results table
+NOT_APPLICABLE = "n/a"  # a metric that does not apply (e.g. learned positions past their table): missing, not zero
+# The run layer's own columns of `cost` (study.model.accounting and the run's measurements): direction, unit, and
+# whether the number follows from the config by arithmetic ("by construction": a difference in it is not evidence,
+# it is the definition of the variant) or was measured.
+COSTS = {
+    "parameters": ("minimize", "count", True),
+    "d_ff": ("minimize", "count", True),
+    "train_flops_per_token": ("minimize", "FLOP/token", True),
+    "train_flops_per_token_dense": ("minimize", "FLOP/token", True),
+    "inference_flops_per_token": ("minimize", "FLOP/token", True),
+    "kv_cache_bytes_per_token": ("minimize", "bytes/token", True),
+    "kv_cache_bytes_at_seq_len": ("minimize", "bytes", True),
+    "train_tokens_per_s": ("maximize", "tokens/s", False),
+    "peak_memory_bytes": ("minimize", "bytes", False),
+    "fit_seconds": ("minimize", "seconds", False),
+    "wall_seconds": ("minimize", "seconds", False),
+}
+RECORD_KEYS = ("schema", "status", "diverged_at_step", "steps", "stopped_by", "train_tokens", "metrics", "declared",
+               "cost")  # the schema's keys; a task family may add its own beside them (GLUE: `init`)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def sub(self, *parts: str) -> "RunDir":
+        """A part of a run made of several runs (e.g. `SST-2/seed0`)."""
+        return RunDir(self.path.joinpath(*parts))
+
+    config = property(lambda self: self.path / "config.yaml")
+    env = property(lambda self: self.path / "env.json")
+    data = property(lambda self: self.path / "data.json")
+    metrics = property(lambda self: self.path / "metrics.json")
+    weights = property(lambda self: self.path / "model.pt")
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    last_checkpoint = property(lambda self: self.path / "checkpoints" / "last.ckpt")
+    logs = property(lambda self: self.path / "logs")
+    curves = property(lambda self: self.path / "logs" / "metrics.csv")
+    trial = property(lambda self: self.path / "trial.json")
+    trial_log = property(lambda self: self.path / "trial.log")
+
+    def read(self) -> dict[str, Any] | None:
+        """The metrics.json record, or None when there is none (the run has not ended)."""
+        return read_json_or_none(self.metrics)
+
+    def finished(self) -> dict[str, Any] | None:
+        """The record of a run that ended with a result (completed or diverged), else None."""
+        record = self.read()
+        return record if record and record.get("status") in FINISHED else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        atomic_write_json(self.metrics, record)
+
+
+def make_record(status: str, metrics: dict[str, Any], cost: dict[str, Any], *, steps: int,
+                train_tokens: int | None = None, diverged_at_step: int | None = None,
+                stopped_by: str | None = None, declared: dict[str, dict] | None = None,
+                **extra: Any) -> dict[str, Any]:
+    """A metrics.json record of the current schema."""
+    if status not in FINISHED:
+        raise ValueError(f"a run record's status is one of {FINISHED}, got {status!r}")
+    return {"schema": SCHEMA, "status": status, "diverged_at_step": diverged_at_step, "steps": steps,
+            "stopped_by": stopped_by, "train_tokens": train_tokens, "metrics": metrics, "declared": declared or {},
+            "cost": cost, **extra}
+
+
+def extras(record: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a record beside the schema's own."""
+    return {k: v for k, v in record.items() if k not in RECORD_KEYS}
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any], numeric: bool) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}", v, out, numeric)
+    elif isinstance(value, bool):
+        out[prefix] = value
+    elif isinstance(value, (int, float)):
+        out[prefix] = float(value) if numeric else value
+    elif isinstance(value, (list, tuple)):
+        if all(isinstance(v, (str, int, float, bool)) for v in value):
+            out[prefix] = ",".join(str(v) for v in value)
+    elif value is None or value == NOT_APPLICABLE:
+        if numeric:
+            out[prefix] = math.nan  # does not apply: a missing number, never a zero
+    else:
+        out[prefix] = value  # text: a sacreBLEU signature, a format name
+
+
+def metric_value(record: dict[str, Any], name: str) -> float | None:
+    """The finite value of metric `name` (nested names joined with '.', e.g. `pretrain.valid_mlm_loss`) in a
+    record, or None when it is missing, not a number or not finite."""
+    value = flatten_record(record).get(f"metric.{name}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def flatten_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics.json record as one table row: status, steps, ..., `metric.<name>` (nested names joined with '.';
+    numbers as floats, 'n/a' and null as NaN) and `cost.<name>`."""
+    row: dict[str, Any] = {}
+    for key in ("status", "steps", "diverged_at_step", "train_tokens", "stopped_by"):
+        if key in record:
+            row[key] = record[key]
+    row["schema"] = int(record.get("schema", 1))
+    _flatten("metric", record.get("metrics") or {}, row, numeric=True)
+    _flatten("cost", record.get("cost") or {}, row, numeric=False)
+    return row

@@ -1,0 +1,119 @@
+"""A pipeline: stages run in order, each later stage starting from an earlier stage's run directory.
+
+    <run_dir>/config.yaml     the pipeline (each stage's config; `task.init_from: stage:<name>` where a stage starts
+                              from another)
+    <run_dir>/metrics.json    the last stage's metrics, with each earlier stage's under its name
+                              (`pretrain.valid_mlm_loss`), and `stages`: where each stage ran
+    <run_dir>/<last stage>/   the last stage's run directory (a GLUE suite: one run per task and seed)
+    <stage_root>/<hash>/seed-<k>/   every earlier stage's run directory, content-hashed like a sweep point
+
+An earlier stage is trained once: pipelines that differ only in later stages (fine-tuning settings) find it
+finished and reuse it, and in a sweep it is the very directory a plain sweep of that stage's config would use. A
+kill loses nothing: a finished stage is not run again, and an unfinished one resumes from its checkpoint. Two
+workers that reach the same shared stage at once take turns (a file lock), the second finding it finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from study.config import ExperimentConfig, PipelineConfig, content_hash
+from study.config.pipeline import stage_ref
+from study.io import atomic_write_json, atomic_write_text
+from study.model.precision import resolve_precision
+from study.record import COMPLETED, RunDir, extras, make_record
+from study.run.conflict import finished_run
+
+log = logging.getLogger(__name__)
+
+
+def resolved_precision(cfg: PipelineConfig) -> PipelineConfig:
+    stages = {k: s.replace(train=s.train.replace(precision=resolve_precision(s.train.precision, s.train.accelerator)))
+              for k, s in cfg.stages.items()}
+    return PipelineConfig(name=cfg.name, stages=stages)
+
+
+def stage_dir(cfg: PipelineConfig, name: str, run_dir: Path, stage_root: Path) -> Path:
+    """Where stage `name` runs: the last stage inside the pipeline's run directory, earlier (shared) stages under
+    `stage_root` by content hash and seed."""
+    stage = cfg.stages[name]
+    if name == list(cfg.stages)[-1]:
+        return run_dir / name
+    return stage_root / content_hash(stage) / f"seed-{stage.train.seed}"
+
+
+@contextlib.contextmanager
+def _stage_lock(directory: Path) -> Iterator[None]:
+    """An exclusive lock on a shared stage's directory (flock: released by the kernel when its holder dies, so a
+    killed worker never leaves it held)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path | None = None,
+                 cache_dir: str | Path | None = None, force: bool = False,
+                 stage_root: str | Path | None = None) -> dict[str, Any]:
+    """Run every stage of `cfg` in order (see the module docstring); returns the pipeline's record.
+
+    `stage_root`: where shared stages live (a sweep passes its results/runs); default `<run_dir>/stages`."""
+    from study.run import run_experiment
+    from study.run.environment import snapshot
+
+    run = RunDir(run_dir)
+    cfg = resolved_precision(cfg)
+    if (done := finished_run(run, cfg, force)) is not None:
+        return done
+    started = time.time()
+    stage_root = Path(stage_root) if stage_root is not None else run.path / "stages"
+    atomic_write_text(run.config, cfg.to_yaml())
+    atomic_write_json(run.env, snapshot(cfg.first.train.precision))
+    ran: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for name, stage in cfg.stages.items():
+        ref = stage_ref(stage.task.init_from)
+        if ref is not None:  # start from the earlier stage's run directory
+            stage = stage.replace(task=stage.task.replace(init_from=str(ran[ref][0])))
+        directory = stage_dir(cfg, name, run.path, stage_root)
+        log.info("%s: stage %s in %s", cfg.name, name, directory)
+        with _stage_lock(directory):
+            record = run_experiment(stage, directory, data_dir=data_dir, cache_dir=cache_dir, force=force)
+        ran[name] = (directory, record)
+        if record["status"] != COMPLETED:  # a diverged stage is the pipeline's result: nothing to start from
+            break
+    record = _pipeline_record(cfg, ran, time.time() - started)
+    run.write(record)
+    return record
+
+
+def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, Any]]], wall: float) -> dict:
+    """The last stage's metrics and cost, each earlier stage's under its name, and where every stage ran."""
+    names = list(ran)
+    last_name, (_, last) = names[-1], ran[names[-1]]
+    complete = len(ran) == len(cfg.stages) and last["status"] == COMPLETED
+    metrics = dict(last["metrics"]) if complete else {}
+    declared = dict(last.get("declared") or {}) if complete else {}
+    cost = dict(last.get("cost") or {})
+    for name in names[:-1] if complete else names:
+        metrics[name] = ran[name][1]["metrics"]
+        declared.update({f"{name}.{k}": v for k, v in (ran[name][1].get("declared") or {}).items()})
+        cost[name] = ran[name][1].get("cost") or {}
+    cost["wall_seconds"] = wall
+    stages = {n: {"run_dir": str(d), "status": r["status"], "steps": r.get("steps"),
+                  "diverged_at_step": r.get("diverged_at_step"), "seed": cfg.stages[n].train.seed}
+              for n, (d, r) in ran.items()}
+    diverged = next((n for n, (_, r) in ran.items() if r["status"] != COMPLETED), None)
+    return make_record(last["status"] if diverged is None else ran[diverged][1]["status"], metrics, cost,
+                       steps=sum(int(r.get("steps") or 0) for _, r in ran.values()),
+                       train_tokens=sum(int(r.get("train_tokens") or 0) for _, r in ran.values()),
+                       diverged_at_step=ran[diverged][1].get("diverged_at_step") if diverged else None,
+                       declared=declared, **{**(extras(last) if complete else {}), "stages": stages,
+                                             "diverged_in_stage": diverged})

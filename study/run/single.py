@@ -1,0 +1,211 @@
+"""One training run: one Lightning fit of one experiment config, written to one run directory (`study.record`).
+
+Every file is written atomically. Running the same config into the same directory resumes from the last
+checkpoint; a finished run is not repeated, and a directory holding another config's run is refused.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from study.config import ExperimentConfig
+from study.io import atomic_write, atomic_write_json, atomic_write_text
+from study.model.accounting import cost_summary
+from study.record import COMPLETED, DIVERGED, RunDir, make_record
+from study.run.conflict import finished_run
+from study.tasks import family
+
+log = logging.getLogger(__name__)
+
+
+def _checkpoint_io():
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class AtomicCheckpointIO(TorchCheckpointIO):
+        """Writes checkpoints to a temporary file and renames it, so a kill never leaves a
+        truncated last.ckpt; loads with weights_only=True (no pickled code runs)."""
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
+
+        def load_checkpoint(self, path, map_location=None, weights_only=None):
+            return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+    return AtomicCheckpointIO()
+
+
+def _logged_rows_before(csv_path: Path, ckpt_path: Path) -> list[dict[str, str]]:
+    """The rows of an interrupted attempt's CSV log for the steps before its last checkpoint.
+
+    Lightning's CSV logger deletes an existing metrics.csv when it starts, so without these rows a
+    resumed run's curves would begin at the checkpoint. Rows of steps after the checkpoint are
+    dropped: the resumed run trains those steps again and logs them itself."""
+    if not csv_path.is_file():
+        return []
+    step = int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: v for k, v in row.items() if k and v not in ("", None)}
+            for row in rows if row.get("step", "").isdigit() and int(row["step"]) < step]
+
+
+def launch_rank() -> int:
+    """The global rank Lightning's DDP launcher gives this process (0 when not launched)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
+def peak_memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def default_cache_dir(cache_dir: str | Path | None) -> Path:
+    return Path(cache_dir) if cache_dir is not None else Path(os.environ.get("STUDY_CACHE_DIR", ".cache/study"))
+
+
+def _prepare_data(cfg: ExperimentConfig, data_dir, cache_dir):
+    """The task's DataModule, prepared (data and tokenizer errors surface here, before any model is built), and
+    the config with the model fields the data decides (vocabulary size, padding id) filled in."""
+    DataModule, _ = family(cfg.task.name).implementation()
+    dm = DataModule(cfg, data_dir=data_dir, cache_dir=default_cache_dir(cache_dir) / "tokenizers")
+    dm.prepare()
+    return dm, cfg.replace(model=cfg.model.replace(**dm.model_overrides()))
+
+
+def _write_inputs(run: RunDir, cfg: ExperimentConfig, dm) -> None:
+    """config.yaml (what runs), env.json, data.json and the task's artifacts (e.g. its tokenizer), on rank zero:
+    under DDP every rank runs this function and one writes the files."""
+    from study.run.environment import snapshot
+
+    if launch_rank() != 0:
+        return
+    atomic_write_text(run.config, cfg.to_yaml())
+    atomic_write_json(run.env, snapshot(cfg.train.precision))
+    atomic_write_json(run.data, dm.fingerprint)
+    if hasattr(dm, "save_artifacts"):
+        dm.save_artifacts(run.path)
+
+
+def _loggers(run: RunDir, cfg: ExperimentConfig, resume_from: Path | None) -> list:
+    """The CSV logger (flushed at every logged step, so a killed run's rows up to its checkpoint are on disk, and
+    given back the rows before the checkpoint when resuming), and TensorBoard's when it is installed."""
+    from lightning.fabric.loggers.csv_logs import _ExperimentWriter as _CSVWriter
+    from lightning.pytorch.loggers import CSVLogger
+
+    csv_logger = CSVLogger(run.path, name="logs", version="", flush_logs_every_n_steps=cfg.train.log_every)
+    earlier_rows = _logged_rows_before(Path(csv_logger.log_dir) / "metrics.csv", resume_from) if resume_from else []
+    writer = csv_logger.experiment  # (rank zero) replaces any old metrics.csv: write back the rows kept
+    if earlier_rows and isinstance(writer, _CSVWriter):
+        writer.metrics[:0] = earlier_rows
+        writer.save()
+    loggers = [csv_logger]
+    try:
+        import tensorboard  # noqa: F401
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(run.path, name="logs", version="tb"))
+    except ImportError:
+        pass
+    return loggers
+
+
+def _trainer(run: RunDir, cfg: ExperimentConfig, loggers: list):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from study.tasks.base import ExponentialMovingAverage
+
+    t = cfg.train
+    checkpoint = ModelCheckpoint(
+        dirpath=run.checkpoints, filename="last", save_top_k=1, enable_version_counter=False,
+        every_n_train_steps=t.checkpoint_every or t.eval_every, save_on_train_epoch_end=False,
+    )
+    callbacks: list = [checkpoint]
+    if t.ema_decay is not None:
+        callbacks.append(ExponentialMovingAverage(t.ema_decay))
+    return L.Trainer(
+        max_steps=t.max_steps,
+        max_time=datetime.timedelta(seconds=t.max_time_s) if t.max_time_s else None,
+        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
+        gradient_clip_val=t.grad_clip, accumulate_grad_batches=t.accumulate,
+        val_check_interval=t.eval_every * t.accumulate, check_val_every_n_epoch=None,
+        limit_val_batches=t.eval_batches if t.eval_batches is not None else 1.0,
+        num_sanity_val_steps=0, logger=loggers, callbacks=callbacks, plugins=[_checkpoint_io()],
+        enable_progress_bar=t.progress_bar, enable_model_summary=False, log_every_n_steps=t.log_every,
+        default_root_dir=run.path,
+    )
+
+
+def _record(cfg: ExperimentConfig, trainer, module, final: dict[str, Any], timing: dict[str, float],
+            declared: dict[str, dict] | None) -> dict:
+    """The run's metrics.json record (study.record's schema)."""
+    t, task = cfg.train, family(cfg.task.name)
+    status = DIVERGED if module.diverged_at is not None else COMPLETED
+    stopped_by_time = t.max_time_s and trainer.global_step < t.max_steps and status == COMPLETED
+    bytes_per_element = 2 if "16" in t.precision else 4
+    cost = {**cost_summary(cfg.model, cfg.task.seq_len, bytes_per_element, task.predicted_fraction(cfg)),
+            "train_tokens_per_s": module.throughput(), "peak_memory_bytes": peak_memory_bytes(), **timing}
+    return make_record(status, final, cost, steps=int(trainer.global_step), train_tokens=module.train_tokens,
+                       diverged_at_step=module.diverged_at, stopped_by="time" if stopped_by_time else None,
+                       declared=task.declared() if declared is None else declared)
+
+
+def run_single(
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    data_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    declared: dict[str, dict] | None = None,
+) -> dict[str, Any]:
+    """One training run of `cfg` (one Lightning fit), writing `run_dir`. Returns the metrics.json record.
+
+    `declared`: the metric declarations the record carries (default: the task family's; a suite's part: its
+    family's part metrics).
+    Optional hooks: `DataModule.save_artifacts(run_dir)` (e.g. the tokenizer) and `Module.save_outputs(run_dir)`
+    (e.g. test-set predictions) are called on rank zero, after the config and after the final metrics."""
+    import lightning as L
+
+    run = RunDir(run_dir)
+    family_ = family(cfg.task.name)
+    decided = family_.data_decided_model_fields
+    if (done := finished_run(run, cfg, force, data_decided=decided)) is not None:
+        return done
+    started = time.time()
+    dm, cfg = _prepare_data(cfg, data_dir, cache_dir)
+    finished_run(run, cfg, force, data_decided=())  # a directory holding another config's (unfinished) run
+    _write_inputs(run, cfg, dm)
+
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
+    module = family_.implementation()[1](cfg)
+    if force:  # a rerun starts from scratch: the checkpoint there may be of another config
+        run.last_checkpoint.unlink(missing_ok=True)
+    resume_from = run.last_checkpoint if run.last_checkpoint.exists() else None
+    trainer = _trainer(run, cfg, _loggers(run, cfg, resume_from))
+    fit_started = time.time()
+    trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resume_from else None)
+    fit_seconds = time.time() - fit_started
+
+    final: dict[str, Any] = {}
+    if module.diverged_at is None and trainer.is_global_zero:
+        module.to(trainer.strategy.root_device)  # fit's teardown moved it to the CPU
+        final = module.final_metrics(dm)
+        if hasattr(module, "save_outputs"):
+            module.save_outputs(run.path)
+    if trainer.is_global_zero:
+        atomic_write(run.weights, lambda p: torch.save(module.model.state_dict(), p))
+    record = _record(cfg, trainer, module, final,
+                     {"fit_seconds": fit_seconds, "wall_seconds": time.time() - started}, declared)
+    if trainer.is_global_zero:
+        run.write(record)
+    return record

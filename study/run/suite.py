@@ -1,0 +1,69 @@
+"""An experiment made of several runs (a GLUE suite: every task x every fine-tuning seed), through the hooks its
+task family declares (`sub_runs`, `combine`, `save_suite_outputs`): each part is an ordinary run directory below
+the experiment's, and the experiment's own record combines theirs.
+
+    <run_dir>/config.yaml, env.json, data.json, metrics.json    the experiment (data.json: each part's fingerprint)
+    <run_dir>/<part>/                                           one run directory per part (e.g. SST-2/seed0)
+
+A part that finished is not run again, so a killed suite resumes at the part it was running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from study.config import ExperimentConfig
+from study.io import atomic_write_json, atomic_write_text, read_json_or_none
+from study.model.accounting import parameter_count
+from study.record import COMPLETED, DIVERGED, RunDir, make_record
+from study.run.conflict import finished_run
+from study.run.single import run_single
+from study.tasks import family
+
+log = logging.getLogger(__name__)
+
+
+def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path | None = None,
+              cache_dir: str | Path | None = None, force: bool = False) -> dict[str, Any]:
+    """Run every part of `cfg` (its task family's `sub_runs`) and write the combined record; returns it."""
+    from study.run.environment import snapshot
+
+    run, task = RunDir(run_dir), family(cfg.task.name)
+    if (done := finished_run(run, cfg, force, data_decided=task.data_decided_model_fields)) is not None:
+        return done
+    started = time.time()
+    parts = task.sub_runs(cfg, data_dir)  # data problems (a missing task) surface here, before any training
+    atomic_write_text(run.config, cfg.to_yaml())
+    atomic_write_json(run.env, snapshot(cfg.train.precision))
+    results: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        if part.skip_reason is not None:
+            log.warning("%s: %s skipped:\n%s", cfg.name, part.path, part.skip_reason)
+            results[part.path] = {"skipped": part.skip_reason}
+            continue
+        log.info("%s: %s", cfg.name, part.path)
+        results[part.path] = run_single(part.config, run.sub(part.path).path, data_dir=data_dir,
+                                        cache_dir=cache_dir, force=force, declared=task.declared(part=True))
+    task.save_suite_outputs(cfg, run.path, results)
+    atomic_write_json(run.data, {"parts": {p: read_json_or_none(run.sub(p).data) for p, r in results.items()
+                                           if "skipped" not in r},
+                                 "skipped": {p: r["skipped"] for p, r in results.items() if "skipped" in r}})
+    record = _combined_record(cfg, task, results, time.time() - started)
+    run.write(record)
+    return record
+
+
+def _combined_record(cfg: ExperimentConfig, task, results: dict[str, dict[str, Any]], wall: float) -> dict:
+    ran = [r for r in results.values() if "skipped" not in r]
+    diverged = any(r["status"] == DIVERGED for r in ran)
+    parameters = next((r["cost"].get("parameters") for r in ran if r.get("cost")), None)
+    cost = {"parameters": parameters or parameter_count(cfg.model),
+            "fit_seconds": sum(float(r["cost"].get("fit_seconds") or 0) for r in ran),
+            "wall_seconds": wall}
+    return make_record(DIVERGED if diverged else COMPLETED, task.combine(cfg, results), cost,
+                       steps=sum(int(r.get("steps") or 0) for r in ran),
+                       train_tokens=sum(int(r.get("train_tokens") or 0) for r in ran),
+                       declared=task.declared(), **task.suite_details(cfg, results), **task.record_extras(cfg))

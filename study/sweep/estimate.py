@@ -1,0 +1,101 @@
+"""The plan's cost before anything runs: training FLOPs from the accounting module, and a rough wall-clock time at
+this machine's measured matmul rate (or one given with --peak-flops) times an assumed utilisation."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from study.config import ExperimentConfig, PipelineConfig
+
+if TYPE_CHECKING:
+    from study.sweep.plan import Plan
+
+# Throughput a training step reaches, as a fraction of the peak matmul rate, for the small
+# models these sweeps train on a CPU (measured here: ~50% for the default sweep's trials); used only for
+# the plan's time estimate, which says so.
+ASSUMED_UTILISATION = 0.45
+TRIAL_OVERHEAD_S = 15.0  # process start (import lightning ~5 s), data, final evaluation
+
+
+def matmul_rate_flops(threads: int = 1, seconds: float = 0.3) -> float:
+    """This machine's float32 matmul rate (FLOP/s) with `threads` threads, measured in a fraction of a second."""
+    import time
+
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 512
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            a @ b
+            count += 1
+        return 2 * n**3 * count / (time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _planning_vocab(cfg: ExperimentConfig) -> int:
+    """The vocabulary the run will have: the task's tokenizer size when it sets one; char-level
+    vocabularies are small (at most a few hundred symbols); otherwise the model config's."""
+    if cfg.task.vocab_size:
+        return cfg.task.vocab_size
+    return 256 if cfg.task.tokenizer == "char" else cfg.model.vocab_size
+
+
+def _runs(cfg: ExperimentConfig) -> int:
+    """Training runs one experiment makes: a GLUE suite's tasks x fine-tuning seeds (at most), else one."""
+    if cfg.task.name != "glue":
+        return 1
+    tasks = len(cfg.task.glue_tasks) or 9 if cfg.task.dataset == "glue" else 1
+    return tasks * max(1, len(cfg.task.finetune_seeds))
+
+
+def training_flops(cfg: ExperimentConfig | PipelineConfig) -> float:
+    """Training FLOPs of one trial at its step budget (a pipeline: every stage; a suite: every run at most)."""
+    from study.model.accounting import flops_per_token
+    from study.tasks import family
+
+    if isinstance(cfg, PipelineConfig):
+        return sum(training_flops(stage) for stage in cfg.stages.values())
+    tokens_per_step = cfg.train.batch_size * cfg.train.accumulate * cfg.task.seq_len
+    model = cfg.model.replace(vocab_size=_planning_vocab(cfg))
+    flops = flops_per_token(model, cfg.task.seq_len, predicted_fraction=family(cfg.task.name).predicted_fraction(cfg))
+    return flops * tokens_per_step * cfg.train.max_steps * _runs(cfg)
+
+
+def _seconds(cfg: ExperimentConfig | PipelineConfig, flops: float, rate: float) -> float:
+    if isinstance(cfg, PipelineConfig):
+        return sum(_seconds(s, training_flops(s), rate) for s in cfg.stages.values())
+    s = flops / (rate * ASSUMED_UTILISATION * max(1, cfg.train.devices))  # DDP: devices share a trial
+    if cfg.train.max_time_s:
+        s = min(s, cfg.train.max_time_s * _runs(cfg))
+    return s + TRIAL_OVERHEAD_S * _runs(cfg)
+
+
+def estimate(plan: "Plan", rate_flops: float | None = None, workers: int = 1, threads: int = 1) -> dict[str, Any]:
+    """Training FLOPs of the whole plan (from the accounting module) and a rough wall-clock time:
+    each trial's FLOPs at the matmul rate one trial's threads reach, times an assumed utilisation."""
+    per_point = [training_flops(p.config) for p in plan.points]
+    runs_per_point = len(plan.spec.seeds) + (plan.spec.tune_settings["trials"] if plan.spec.tune else 0)
+    rate = rate_flops if rate_flops is not None else matmul_rate_flops(threads)
+    seconds = [_seconds(p.config, f, rate) for p, f in zip(plan.points, per_point)]
+    return {"train_flops": sum(per_point) * runs_per_point, "matmul_flops_per_s": rate,
+            "assumed_utilisation": ASSUMED_UTILISATION,
+            "estimated_wall_s": sum(seconds) * runs_per_point / max(1, workers), "workers": workers}
+
+
+def si(x: float) -> str:
+    for factor, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if x >= factor:
+            return f"{x / factor:.1f} {prefix}"
+    return f"{x:.0f} "
+
+
+def default_threads(workers: int) -> int:
+    """CPU threads per trial so that `workers` trials share the cores without oversubscription."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))

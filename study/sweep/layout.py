@@ -1,0 +1,86 @@
+"""Where a sweep's files live, and which trials a plan asks for.
+
+    results/<sweep>/spec.yaml        the spec as written
+    results/<sweep>/plan.json        every point with its complete config and content hash, the objective and the
+                                     task families' metric declarations
+    results/<sweep>/points/*.yaml    the config each trial process reads
+    results/<sweep>/tuned.json       (tuning mode) each point's tuning trials and the setting chosen
+    results/runs/<point>/seed-<k>/   each trial's run directory (`study.record`), shared by every sweep with that point
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from study.io import read_json
+from study.record import RunDir
+from study.sweep.queue import TrialSpec
+
+
+@dataclass
+class SweepLayout:
+    """Where a sweep's files live: results/<sweep>/ for the sweep, results/runs/ for the runs."""
+
+    sweep_dir: Path
+
+    @property
+    def results_root(self) -> Path:
+        return self.sweep_dir.parent
+
+    @property
+    def runs_root(self) -> Path:
+        """Where every sweep's run directories live (and a pipeline's shared stages: the same place a plain
+        sweep of that stage's config would put them)."""
+        return self.results_root / "runs"
+
+    def run_dir(self, point: str, seed: int) -> Path:
+        return self.runs_root / point / f"seed-{seed}"
+
+    def run(self, point: str, seed: int) -> RunDir:
+        return RunDir(self.run_dir(point, seed))
+
+    def point_config(self, point: str) -> Path:
+        return self.sweep_dir / "points" / f"{point}.yaml"
+
+    @property
+    def plan_path(self) -> Path:
+        return self.sweep_dir / "plan.json"
+
+    @property
+    def tuned_path(self) -> Path:
+        return self.sweep_dir / "tuned.json"
+
+
+def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> list[TrialSpec]:
+    """Every trial the plan asks for. In tuning mode: each point's tuning trials, and its seed
+    trials once its tuning has picked a setting (`tuned`, from tuned.json)."""
+    tune = plan.get("tune") or {}
+    specs: list[TrialSpec] = []
+    for p in plan["points"]:
+        point, label = p["point"], p["label"]
+        if not tune:
+            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label) for s in plan["seeds"]]
+            continue
+        specs += [TrialSpec(key=f"{point}-tune{i}", point=point, seed=tune["seed"], label=label, kind="tune")
+                  for i in range(tune["trials"])]
+        chosen = (tuned or {}).get(point, {}).get("point")
+        if chosen:
+            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, config_point=chosen)
+                      for s in plan["seeds"]]
+    return specs
+
+
+def all_keys(plan: dict[str, Any]) -> list[str]:
+    """Every key the sweep will have when done (seed trials of tuned points included)."""
+    tune = plan.get("tune") or {}
+    keys = []
+    for p in plan["points"]:
+        keys += [f"{p['point']}-tune{i}" for i in range(tune.get("trials", 0))]
+        keys += [f"{p['point']}-s{s}" for s in plan["seeds"]]
+    return keys
+
+
+def read_tuned(layout: SweepLayout) -> dict[str, Any]:
+    return read_json(layout.tuned_path) if layout.tuned_path.is_file() else {}

@@ -1,0 +1,104 @@
+"""Before any training: every swept value reaches the trained model, the objective is a metric the task declares,
+and the sweep's seeds reach its runs. A spec that fails any of these is refused, naming the axis and why.
+
+A value can fail to reach the model in three ways, each declared by the task family (`study.tasks.contract`): the
+task never reads the field (`unread_fields`: `task.beam_size` in language modelling), something else decides it
+(`overridden_fields`: the model of a GLUE run that starts from a pretrained one, `model.nsp` where no next-sentence
+head is trained), or resolving the config replaces it (`resolve`), which is checked by comparing the field before
+and after resolution.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from study.config import ExperimentConfig, PipelineConfig
+from study.config.pipeline import stage_ref
+from study.config.sweep import SweepConfig, route
+from study.tasks import family
+
+
+def stage_config(cfg: ExperimentConfig | PipelineConfig, stage: str | None) -> ExperimentConfig:
+    return cfg.stages[stage] if isinstance(cfg, PipelineConfig) else cfg
+
+
+def resolved_stage(cfg: ExperimentConfig | PipelineConfig, stage: str | None) -> ExperimentConfig:
+    """The config stage `stage` of `cfg` will run, resolved by its task family before any data is read (a later
+    stage of a pipeline: from the config of the stage it starts from)."""
+    exp = stage_config(cfg, stage)
+    ref = stage_ref(exp.task.init_from)
+    pretrained = resolved_stage(cfg, ref) if ref is not None else None
+    return family(exp.task.name).resolve(exp, pretrained=pretrained)
+
+
+def field_value(cfg: ExperimentConfig, path: str) -> Any:
+    section, _, name = path.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, path: str) -> str | None:
+    """Why the value `cfg` holds at axis path `path` would not reach the trained model, or None."""
+    stage, field = route(path, spec.stage_names)
+    exp = stage_config(cfg, stage)
+    task = family(exp.task.name)
+    why = {**task.unread_fields(exp), **task.overridden_fields(exp)}.get(field)
+    if why is not None:
+        return f"{path} does not reach the trained model: {why}"
+    try:
+        resolved = resolved_stage(cfg, stage)
+    except ValueError as err:
+        return str(err)
+    asked, runs = field_value(exp, field), field_value(resolved, field)
+    if asked != runs:
+        return f"{path} is replaced when the config is resolved (asked {asked!r}, runs {runs!r})"
+    return None
+
+
+def reach_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig,
+                   assignments: dict[str, dict[str, Any]]) -> list[str]:
+    """Problems of one point: `assignments` maps each axis (and `tune`) to the fields it sets there."""
+    problems = []
+    for axis, fields in assignments.items():
+        for path in fields:
+            problem = value_problem(spec, cfg, path)
+            if problem:
+                problems.append(f"{axis}: {problem}")
+    first = stage_config(cfg, spec.stage_names[0] if spec.stage_names else None)
+    if not family(first.task.name).reads_train_seed(first):
+        where = f"the {spec.stage_names[0]} stage's " if spec.stage_names else ""
+        problems.append(f"seeds: the sweep's seeds set {where}train.seed, which task {first.task.name!r} does not "
+                        "read here (task.finetune_seeds gives its seeds): every seed would run the same; drop "
+                        "task.finetune_seeds (the sweep's seeds are then the fine-tuning seeds) or make this a "
+                        "later stage of a study in stages")
+    return problems
+
+
+def objective(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig) -> tuple[dict[str, Any], str | None]:
+    """The sweep's objective resolved against the declarations of the task that writes it ({metric, direction,
+    scale, task}), and what is wrong with it (None when nothing is). In a study in stages the objective is the
+    last stage's metric, or `STAGE.metric` for an earlier stage's."""
+    metric, direction = spec.objective.get("metric"), spec.objective.get("direction")
+    stages = spec.stage_names
+    stage, name = (stages[-1] if stages else None), metric
+    if metric and stages and metric.split(".", 1)[0] in stages[:-1]:
+        stage, name = metric.split(".", 1)
+    task = family(stage_config(cfg, stage).task.name)
+    if name is None:
+        name = task.default_objective
+        metric = name
+    problem = task.objective_problem(name, direction) or task.unwritten_metric(stage_config(cfg, stage), name)
+    if problem is not None:
+        return {"metric": metric, "direction": direction or "minimize", "task": task.name}, f"objective: {problem}"
+    declared = task.metric(name)
+    return {"metric": metric, "direction": declared.direction, "scale": declared.scale, "task": task.name}, None
+
+
+def contracts(cfg: ExperimentConfig | PipelineConfig) -> dict[str, dict[str, Any]]:
+    """The declarations of every task family a point runs, as plan.json records them for the report."""
+    stages = cfg.stages.values() if isinstance(cfg, PipelineConfig) else [cfg]
+    out = {}
+    for exp in stages:
+        task = family(exp.task.name)
+        out[task.name] = {"metrics": task.declared(), "default_objective": task.default_objective,
+                          "curves": dict(task.curves)}
+    return out
