@@ -125,15 +125,15 @@ def _cmd_score_mt(args: argparse.Namespace) -> int:
 
 
 def _cmd_axes(args: argparse.Namespace) -> int:
+    """Every enumerated axis and its values; the registry-backed ones with each value's own description."""
+    from study.axes import AXES
     from study.config import axis_choices
-    from study.model import ACTIVATIONS, NORMS, POSITIONS, RESIDUALS
 
-    registries = {r.axis: r for r in (NORMS, RESIDUALS, POSITIONS, ACTIVATIONS)}
     for axis, values in axis_choices().items():
         print(f"{axis}: {', '.join(values)}")
-        if axis in registries:
+        if axis in AXES:
             for value in values:
-                print(f"    {value:12s} {registries[axis].doc(value)}")
+                print(f"    {value:12s} {AXES[axis].describe(value)}")
     return 0
 
 

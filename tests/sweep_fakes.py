@@ -14,7 +14,8 @@ from study.io import atomic_write_json, atomic_write_text
 def fake_run(cfg, run_dir, data_dir=None, cache_dir=None):
     """Writes a finished run directory. The config scripts the behaviour:
     train.lr >= 1 diverges; model.d_model == 24 always fails; model.d_model == 40 fails on its
-    first attempt only; env STUDY_FAKE_SLEEP sleeps (so a test can kill workers mid-trial)."""
+    first attempt only; model.d_model == 48 completes without writing valid_loss (a task that broke its
+    declaration); env STUDY_FAKE_SLEEP sleeps (so a test can kill workers mid-trial)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "executions.log", "a") as f:  # every start, to count repeats
@@ -44,6 +45,8 @@ def fake_run(cfg, run_dir, data_dir=None, cache_dir=None):
                "metrics": {} if diverged else {"valid_loss": loss, "valid_ppl_by_length": {
                    "8": 7.0, "16": "n/a" if cfg.model.position == "learned" else 7.5}},
                "cost": {"parameters": cfg.model.d_model * 100, "train_tokens_per_s": 1000.0}}
+    if cfg.model.d_model == 48:
+        del metrics["metrics"]["valid_loss"]
     atomic_write_json(run_dir / "metrics.json", metrics)
     with open(run_dir / "completions.log", "a") as f:
         f.write(f"done {os.getpid()}\n")

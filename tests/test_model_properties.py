@@ -8,10 +8,11 @@ import torch
 from study.config import ConfigError, ModelConfig, axis_choices
 from study.model import KVCache, build_model
 from study.model.attention import attention_bias
-from study.model.positions import RotaryPosition, alibi_slopes, apply_rotary
+from study.axes import POSITIONS as POSITION_REGISTRY
+from study.axes.position import RotaryPosition, alibi_slopes, apply_rotary
 
 V = 50
-POSITIONS = ["learned", "sinusoidal", "rope", "alibi", "t5_bias", "none"]
+POSITIONS = POSITION_REGISTRY.names()
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -20,7 +20,7 @@ from study.report.compare import (
     sacrebleu_variant,
 )
 from study.report.published import load_effects, load_published, validate_effects, validate_published
-from study.report.synthetic import make_synthetic_sweep
+from synthetic_sweep import make_synthetic_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_CITATIONS = ("Vaswani et al. 2017", "Xiong et al. 2020", "Press", "Shazeer 2019", "Ainslie et al. 2023",
@@ -62,6 +62,37 @@ def test_validation_catches_missing_citation_and_variant(published):
     assert any("empty citation" in p for p in problems) and any("empty metric_variant" in p for p in problems)
 
 
+def test_every_published_row_states_its_model_variant(published):
+    """Devlin's BERT-base GLUE rows are MLM + NSP, Table 5's ablation and RoBERTa's no-NSP formats MLM only, the
+    language-modelling and translation rows trained from scratch on the task."""
+    variant = published.set_index("id")["model_variant"]
+    assert variant["devlin18-t1-sst2"] == variant["devlin18-t5-nsp-sst2"] == "pretrained:mlm+nsp"
+    assert variant["devlin18-t5-nonsp-sst2"] == variant["liu19-fullsent-sst2"] == "pretrained:mlm"
+    assert variant["hf-runglue-sst2-accuracy"] == "pretrained:mlm+nsp"
+    for i in ("nanogpt-shakespeare-char-val", "vaswani17-t3-base-ppl", "press22-alibi-L512-eval1012",
+              "bentrevett-multi30k-transformer-bleu"):
+        assert variant[i] == "from-scratch", i
+
+
+def test_validation_catches_an_unknown_model_variant_and_units_flag(published, effects):
+    broken = published.copy()
+    broken.loc[0, "model_variant"] = "pretrained"  # which objective?
+    assert any("model_variant 'pretrained'" in p for p in validate_published(broken))
+    no_column = published.drop(columns="model_variant")
+    assert "missing column model_variant" in validate_published(no_column)
+    bad = effects.copy()
+    bad.loc[0, "units_match_ours"] = "maybe"
+    assert any("units_match_ours 'maybe'" in p for p in validate_effects(bad, published))
+
+
+def test_nsp_effects_name_our_glue_columns_and_share_our_units(effects):
+    nsp = effects[effects["axis"] == "nsp"]
+    assert set(nsp["baseline"]) == {"true"} and set(nsp["variant"]) == {"false"}
+    assert set(nsp["our_metric"]) == {"QNLI/accuracy", "MNLI/accuracy_m", "MRPC/accuracy", "SST-2/accuracy"}
+    assert set(nsp["units_match_ours"]) == {"yes"}
+    assert "test_ppl_at_2x" not in set(effects["our_metric"])  # the split is whichever the sweep has
+
+
 def test_effects_are_well_formed_and_cite_published_rows(effects, published):
     assert validate_effects(effects, published) == []
     for citation in ("Vaswani", "Xiong", "Press", "Shazeer", "Ainslie", "Devlin", "Liu", "Narang"):
@@ -95,6 +126,7 @@ def test_effect_verdicts():
     assert _effect_verdict("same", "worse") == "disagree"
     assert _effect_verdict("better", "no CI (n=1)") == "no CI (n=1)"
     assert _effect_verdict("better", "no pairs") == "not run"
+    assert _effect_verdict("better", "direction not declared") == "not compared (direction not declared)"
 
 
 # -- the comparison ----------------------------------------------------------------------------------------------------

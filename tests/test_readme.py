@@ -15,7 +15,9 @@ def _table_rows():
             yield cells
 
 
-def test_axis_table_matches_the_config():
+def test_the_axis_table_names_only_values_that_exist():
+    """The README's axis table names every axis, and every value it names is registered. It need not list every
+    value (`study axes` does): adding a value is one class and its test, with the whole suite green."""
     documented = {}
     for _, field, values in _table_rows():
         name = field.strip("`")
@@ -23,8 +25,9 @@ def test_axis_table_matches_the_config():
             documented[name] = set(re.findall(r"`([^`]+)`", values.split("(")[0]))
     choices = axis_choices()
     assert set(documented) == set(choices)
-    for name, values in choices.items():
-        assert documented[name] == set(values), name
+    for name, values in documented.items():
+        assert values and values <= set(choices[name]), (name, values - set(choices[name]))
+    assert "study axes" in README
 
 
 def test_every_preset_is_documented():

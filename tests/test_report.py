@@ -1,8 +1,11 @@
-"""study.report: statistics against hand-computed values, figures from a synthetic results table, the report's
-lists of failed and missing trials, the partial-sweep banner, and the command line."""
+"""study.report: statistics against hand-computed values (intervals, paired t-tests, Holm's correction, the minimum
+detectable difference), directions and scales read from the declarations (never guessed, never another column),
+figures from a synthetic results table, the report's lists of failed and missing trials, the partial-sweep banner,
+and the command line."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -15,18 +18,30 @@ matplotlib.use("Agg")
 
 from study.report import build_report  # noqa: E402
 from study.report.cli import main  # noqa: E402
-from study.report.collect import load_results  # noqa: E402
+from study.report.collect import UndeclaredMetric, load_results  # noqa: E402
 from study.report.figures import (  # noqa: E402
     BASELINE_COLOUR,
     make_figures,
+    metric_label,
     plot_curves,
     plot_extrapolation,
     plot_grad_norms,
     plot_metric_by_variant,
     variant_palette,
 )
-from study.report.stats import mean_ci, paired_difference, pareto_front, summarize, t_critical  # noqa: E402
-from study.report.synthetic import make_synthetic_sweep  # noqa: E402
+from study.report.markdown import secondary_columns  # noqa: E402
+from study.report.stats import (  # noqa: E402
+    holm_adjust,
+    holm_reject,
+    mean_ci,
+    minimum_detectable_difference,
+    paired_difference,
+    paired_t_pvalue,
+    pareto_front,
+    summarize,
+    t_critical,
+)
+from synthetic_sweep import DECLARED, make_pretrain_sweep, make_synthetic_sweep  # noqa: E402
 
 SMALL_AXES = {"norm_position": ["pre", "post"], "position": ["rope", "alibi", "learned"], "attention": ["mha", "mqa"]}
 # 1 baseline + 1 + 2 + 1 variants; with partial=True the last (attention=mqa) never ran.
@@ -107,6 +122,42 @@ def test_pareto_front():
     assert list(pareto_front([10, 5], [1.0, 1.0], "higher", "lower")) == [True, False]
 
 
+def test_paired_t_pvalue_matches_hand_computation():
+    # diffs [0.5, 0.1, 0.9]: mean 0.5, sd 0.4, t = 0.5 / (0.4 / sqrt 3) = 2.1651; with 2 degrees of freedom the t
+    # distribution's CDF is 1/2 + t / (2 sqrt(t^2 + 2)), so the two-sided p is 1 - t / sqrt(t^2 + 2) = 0.16278
+    d = mean_ci([0.5, 0.1, 0.9])
+    t = 0.5 / (0.4 / math.sqrt(3))
+    assert paired_t_pvalue(d) == pytest.approx(1 - t / math.sqrt(t**2 + 2))
+    assert paired_t_pvalue(d) == pytest.approx(0.16278, abs=1e-5)
+    from scipy import stats
+
+    assert paired_t_pvalue(d) == pytest.approx(stats.ttest_1samp([0.5, 0.1, 0.9], 0.0).pvalue)
+    assert math.isnan(paired_t_pvalue(mean_ci([1.0])))  # one pair: no test
+
+
+def test_holm_matches_hand_computation():
+    # sorted 0.01, 0.03, 0.04, 0.5 times 4, 3, 2, 1 = 0.04, 0.09, 0.08 -> 0.09 (running max), 0.5
+    assert holm_adjust([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert holm_reject([0.01, 0.04, 0.03, 0.5]) == [True, False, False, False]  # at 0.05 only the first
+    # untested effects (NaN) are not in the family: m = 2 here, and the adjusted value is capped at 1
+    adjusted = holm_adjust([0.02, float("nan"), 0.8])
+    assert adjusted[0] == pytest.approx(0.04) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(0.8)
+    assert holm_adjust([0.6, 0.7]) == pytest.approx([1.0, 1.0])
+
+
+def test_minimum_detectable_difference_matches_hand_computation():
+    from scipy import stats
+
+    expected = (stats.t.ppf(0.975, 2) + stats.t.ppf(0.8, 2)) / math.sqrt(3)
+    assert minimum_detectable_difference(1.0, 3) == pytest.approx(expected)
+    assert expected == pytest.approx((4.302653 + 1.060660) / math.sqrt(3), abs=1e-5)  # t tables: 3.0965
+    assert minimum_detectable_difference(2.0, 3) == pytest.approx(2 * expected)  # linear in sd
+    assert math.isnan(minimum_detectable_difference(1.0, 1))
+    assert math.isnan(minimum_detectable_difference(float("nan"), 3))
+    t = _table({"base": {0: 1.0, 1: 2.0, 2: 3.0}, "var": {0: 1.5, 1: 2.1, 2: 3.9}})  # diffs sd 0.4
+    assert paired_difference(t, "m", "var", "base").mde == pytest.approx(0.4 * expected)
+
+
 # -- collect -----------------------------------------------------------------------------------------------------------
 def test_collect_adds_never_run_trials_from_the_plan(partial_sweep):
     r = load_results(partial_sweep)
@@ -117,11 +168,13 @@ def test_collect_adds_never_run_trials_from_the_plan(partial_sweep):
     assert r.axis_labels("position") == [("rope", "baseline"), ("alibi", "position=alibi"),
                                          ("learned", "position=learned")]
     assert r.objective("lm") == ("valid_loss", "minimize")
-    # test perplexity at 2x the training length (64 -> 128); learned positions have none
+    # Tiny Shakespeare has no test split: perplexity at 2x the training length (64 -> 128) is the validation
+    # split's, as the record names it (the report computes nothing of its own); learned positions have none
+    assert not [c for c in r.table.columns if c.startswith("metric.test_")]
     learned = r.completed().query("label == 'position=learned'")
-    assert learned["metric.test_ppl_at_2x"].isna().all()
+    assert learned["metric.valid_ppl_at_2x"].isna().all()
     base = r.completed().query("label == 'baseline'")
-    assert (base["metric.test_ppl_at_2x"] == base["metric.test_ppl_by_length.128"]).all()
+    assert (base["metric.valid_ppl_at_2x"] == base["metric.valid_ppl_by_length.128"]).all()
 
 
 def test_collect_reads_csv_only_and_plan_only(tmp_path):
@@ -174,7 +227,9 @@ def test_metric_figure_artists(partial_sweep):
     r = load_results(partial_sweep)
     palette = variant_palette(r.variant_order, r.baseline_label)
     variants = r.axis_labels("position")
-    fig = plot_metric_by_variant(r.completed(), variants, "metric.valid_loss", palette, "t", baseline="baseline")
+    ylabel = metric_label("metric.valid_loss", r.declared("valid_loss", "lm").scale)
+    fig = plot_metric_by_variant(r.completed(), variants, "metric.valid_loss", palette, "t", baseline="baseline",
+                                 ylabel=ylabel)
     ax = fig.axes[0]
     assert len(ax.containers) == 3  # one error bar per variant
     assert [t.get_text() for t in ax.get_xticklabels()] == ["rope\n(baseline)", "alibi", "learned"]
@@ -183,7 +238,7 @@ def test_metric_figure_artists(partial_sweep):
     ci = mean_ci(base)
     seg = ax.containers[0].lines[2][0].get_segments()[0]
     assert (seg[0][1], seg[1][1]) == (pytest.approx(ci.lo), pytest.approx(ci.hi))
-    assert "nats" in ax.get_ylabel()
+    assert ax.get_ylabel() == "valid_loss (nats/token)"  # the declared scale
 
 
 def test_curves_extrapolation_and_grad_norm_artists(partial_sweep):
@@ -309,3 +364,159 @@ def test_add_commands_registers_on_a_parent_parser():
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["compare", "results/x", "--runs", "a.json", "b.json"])
     assert args.command == "compare" and args.runs == ["a.json", "b.json"] and callable(args.func)
+
+
+# -- declarations: never guessed, never another column -----------------------------------------------------------
+def test_declarations_of_the_fixture_are_the_task_families():
+    """The synthetic plan.json carries the task families' own declarations (skipped where study.tasks does not
+    import, e.g. mid-refactor)."""
+    try:
+        from study.tasks import family
+    except Exception as err:  # noqa: BLE001
+        pytest.skip(f"study.tasks does not import: {err}")
+    for task, declared in DECLARED.items():
+        real = {k: (v["direction"], v["scale"], v["objective"]) for k, v in family(task).declared().items()}
+        assert {k: (v["direction"], v["scale"], v["objective"]) for k, v in declared.items()} == real, task
+
+
+def test_directions_and_scales_come_from_the_declarations(partial_sweep):
+    r = load_results(partial_sweep)
+    assert r.declared("valid_ppl_by_length.256", "lm").declared_as == "*_ppl_by_length.*"  # a pattern
+    assert not r.declared("valid_ppl_by_length.256", "lm").objective
+    kv = r.declared("cost.kv_cache_bytes_per_token")
+    assert (kv.direction, kv.scale, kv.by_construction) == ("minimize", "bytes/token", True)
+    assert not r.declared("cost.train_tokens_per_s").by_construction
+    # a name that sounds like a loss is not declared by sounding like one
+    assert r.declaration("metric.mystery_loss", "lm") is None
+    with pytest.raises(UndeclaredMetric, match="no declaration"):
+        r.declared("metric.mystery_loss", "lm")
+
+
+def test_undeclared_columns_are_marked_not_ranked(tmp_path):
+    root = make_synthetic_sweep(tmp_path / "u", axes={"norm": ["rmsnorm", "layernorm"]}, partial=False,
+                                problems=False, with_runs=False)
+    t = pd.read_parquet(root / "results.parquet")
+    t["metric.mystery_loss"] = 1.0
+    t.to_parquet(root / "results.parquet")
+    md = build_report(root, tmp_path / "out", kinds=()).markdown.read_text()
+    assert "direction not declared" in md and "`mystery_loss`" in md
+    assert "mystery_loss (" not in md  # never a column of the summary with a guessed direction
+
+
+@pytest.fixture(scope="module")
+def pretrain_sweep(tmp_path_factory):
+    return make_pretrain_sweep(tmp_path_factory.mktemp("pretrain"))
+
+
+def test_pretrain_report_uses_the_declared_objective_never_a_count(pretrain_sweep, tmp_path):
+    r = load_results(pretrain_sweep)
+    assert r.objective("pretrain") == ("valid_mlm_loss", "minimize")
+    done = r.completed("pretrain")
+    secondary = [c for c, _ in secondary_columns(r, "pretrain", done, "metric.valid_mlm_loss")]
+    assert "metric.valid_masked_tokens" not in secondary and "metric.valid_nsp_pairs" not in secondary
+    out = build_report(pretrain_sweep, tmp_path / "out", formats=("png",), kinds=("metric",))
+    md = out.markdown.read_text()
+    assert "**valid_mlm_loss** (nats/masked token; lower is better" in md
+    assert "valid_masked_tokens" not in md and "+694" not in md
+    assert set(pd.read_csv(out.out / "paired.csv")["metric"]) == {"valid_mlm_loss"}
+    assert [f.name for f in out.figures][0] == "pretrain-valid_mlm_loss-all-variants"
+
+
+def _rewrite_plan(root, **objective):
+    plan = json.loads((root / "plan.json").read_text())
+    plan["objective"].update(objective)
+    (root / "plan.json").write_text(json.dumps(plan))
+
+
+def test_an_undeclared_or_bookkeeping_objective_is_an_error_not_a_fallback(tmp_path):
+    root = make_pretrain_sweep(tmp_path / "p", with_runs=False)
+    _rewrite_plan(root, metric="valid_loss")  # pretraining writes no valid_loss: no other column stands in
+    with pytest.raises(UndeclaredMetric, match="valid_loss"):
+        load_results(root).objective("pretrain")
+    _rewrite_plan(root, metric="valid_masked_tokens")  # declared objective: false (a count)
+    with pytest.raises(UndeclaredMetric, match="bookkeeping"):
+        load_results(root).objective("pretrain")
+
+
+def test_a_plan_that_predates_declared_metrics_is_refused_with_what_to_do(tmp_path, capsys):
+    root = make_synthetic_sweep(tmp_path / "old", axes={"norm": ["rmsnorm", "layernorm"]}, partial=False,
+                                problems=False, with_runs=False)
+    plan = json.loads((root / "plan.json").read_text())
+    plan["objective"] = {"metric": "valid_loss", "direction": "minimize"}  # what study sweep wrote before
+    del plan["tasks"]
+    (root / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(UndeclaredMetric, match="predates declared metrics.*Re-run the sweep"):
+        load_results(root)
+    assert main(["report", str(root), "--out", str(tmp_path / "r")]) == 2
+    assert "predates declared metrics" in capsys.readouterr().err
+    (root / "plan.json").unlink()  # a results table without its plan: nothing declares its metrics either
+    with pytest.raises(UndeclaredMetric, match="plan.json is missing"):
+        load_results(root)
+
+
+def test_pretrain_curves_plot_the_mlm_loss_not_mlm_plus_nsp(pretrain_sweep):
+    """The synthetic NSP runs log train/loss = MLM + 0.67 (their NSP loss); the MLM columns are the same for both."""
+    r = load_results(pretrain_sweep)
+    labels = [lbl for _, lbl in r.axis_labels("nsp")]
+    rows = r.completed("pretrain")
+    fig = plot_curves(r, rows, labels, variant_palette(r.variant_order, r.baseline_label), "t", task="pretrain")
+    assert fig._study_columns == ("train/mlm_loss", "val/mlm_loss")
+    train_ax, val_ax = fig.axes[:2]
+    assert "mlm_loss" in train_ax.get_ylabel() and "(nats/masked token)" in val_ax.get_ylabel()
+    finals = {ln.get_label().split(" ")[0]: ln.get_ydata()[-1] for ln in val_ax.get_lines()}
+    assert set(finals) == {"baseline", "nsp=false"}
+    assert abs(finals["baseline"] - finals["nsp=false"]) < 0.1  # not 0.67 apart by construction
+
+
+def test_extrapolation_names_the_split_the_corpus_has(tmp_path):
+    for dataset, split in (("tinyshakespeare", "validation"), ("wikitext-2", "test")):
+        root = make_synthetic_sweep(tmp_path / dataset, axes={"position": ["rope", "alibi"]}, partial=False,
+                                    problems=False, with_runs=False, dataset=dataset)
+        r = load_results(root)
+        fig = plot_extrapolation(r.completed(), r.axis_labels("position"), {}, "t", train_len=64)
+        assert fig.axes[0].get_ylabel() == f"{split} perplexity"
+        has_test = any(c.startswith("metric.test_") for c in r.table.columns)
+        assert has_test == (dataset == "wikitext-2")
+
+
+def test_a_single_seed_never_shows_a_standard_deviation_of_zero(tmp_path):
+    root = make_synthetic_sweep(tmp_path / "one", axes={"norm": ["rmsnorm", "layernorm"]}, partial=False,
+                                problems=False, with_runs=False, seeds=(0,))
+    out = build_report(root, tmp_path / "out", kinds=())
+    md = out.markdown.read_text()
+    assert "(n=1, no CI)" in md and "± 0 " not in md and "±0" not in md
+    summary = pd.read_csv(out.out / "summary.csv")
+    assert summary["sd"].isna().all() and summary["ci_half"].isna().all()  # missing, never 0
+
+
+def test_a_study_in_stages_reports_its_unit_and_every_stage_declared(tmp_path):
+    from synthetic_sweep import make_nsp_glue_sweep
+
+    root = make_nsp_glue_sweep(tmp_path / "nsp")
+    r = load_results(root)
+    assert r.objective("glue") == ("glue_score", "maximize")
+    spec = r.declared("pretrain.valid_nsp_accuracy")  # an earlier stage's metric, declared by that stage's task
+    assert (spec.task, spec.direction, spec.scale) == ("pretrain", "maximize", "fraction (0-1)")
+    assert r.declared("SST-2/accuracy_std", "glue").objective is False  # '*_std' before '*/accuracy': order
+    md = build_report(root, tmp_path / "out", kinds=()).markdown.read_text()
+    assert "so n counts pretrain runs, each GLUE number the mean over its record's fine-tuning seeds" in md
+    assert "glue_score (0-100; higher is better; 95% CI)" in md
+    assert "pretrain.valid_mlm_loss (nats/masked token; lower is better)" in md
+    assert "direction not declared" not in md  # the flags and lists of a GLUE record are not measurements
+
+
+def test_a_glue_study_reports_every_task_with_its_fine_tuning_spread_and_the_pretraining_stage(tmp_path):
+    from synthetic_sweep import GLUE_TASKS, make_nsp_glue_sweep
+
+    root = make_nsp_glue_sweep(tmp_path / "nsp", nsp_effect=3.0)
+    md = build_report(root, tmp_path / "out", kinds=()).markdown.read_text()
+    per_task = md[md.index("### Per GLUE task"):]
+    for task in GLUE_TASKS:  # one row per (task, variant), the fine-tuning sd beside the interval over trials
+        assert f"| {task} | baseline | 3 |" in per_task and f"| {task} | nsp=false | 3 |" in per_task
+    assert "| fine-tuning sd |" in per_task and "| 0.5 |" in per_task
+    # NSP adds 3 points to every task in the fixture: each task's paired difference says worse without it
+    paired = per_task[per_task.index("| task | variant | pairs | Δ score"):]
+    assert paired.count("**worse**") == len(GLUE_TASKS)
+    stage = md[md.index("### The pretrain stage"):]
+    assert "valid_mlm_loss_full_sentences" in stage and "valid_nsp_accuracy" in stage
+    assert "valid_masked_tokens" not in stage  # bookkeeping is not a quality metric

@@ -236,6 +236,19 @@ def test_a_diverging_point_is_a_result_and_a_failing_point_is_retried_then_repor
     assert final["failed"] == 1 and final["done"] == 3
 
 
+def test_a_completed_trial_without_its_objective_fails_with_the_reason_and_is_not_retried(tmp_path):
+    # Optuna would store it COMPLETE with inf and rank it last; it is a result nothing can rank
+    path = write_spec(tmp_path, max_retries=2, seeds=[0], axes={"model.d_model": [32, 48]})
+    final = run_sweep(path, opts(tmp_path), say=lambda s: None)
+    df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet").set_index("label")
+    assert df.loc["d_model=48", "status"] == "failed" and df.loc["d_model=48", "attempts"] == 1
+    assert "no finite 'valid_loss'" in df.loc["d_model=48", "error"]
+    assert df.loc["baseline", "status"] == "completed" and final["failed"] == 1
+    queue, _ = queue_for(tmp_path / "results" / "t")
+    assert not [t for t in queue.trials() if t.state.name == "COMPLETE" and t.user_attrs.get("point") ==
+                df.loc["d_model=48", "point"]]
+
+
 def test_a_sweep_killed_mid_trial_resumes_and_finishes_every_trial_exactly_once(tmp_path):
     path = write_spec(tmp_path, axes={"model.norm_position": ["pre", "post"], "model.norm": ["layernorm", "rmsnorm"]},
                       seeds=[0, 1])

@@ -65,11 +65,19 @@ class ExperimentConfig(Config):
                 self.for_glue_task(task)
             except ConfigError as err:
                 p.add(f"task.per_task.{task}", "; ".join(err.problems))
-        if m.position == "learned":
+        self._validate_positions(p)
+
+    def _validate_positions(self, p: Problems) -> None:
+        """The task's sequences fit what the position scheme can address (a learned table: model.max_seq_len)."""
+        from study.axes import POSITIONS
+
+        m, t = self.model, self.task
+        limit = POSITIONS[m.position].max_positions(m)
+        if limit is not None:
             longest = t.seq_len + (2 if t.name == "translation" else 0)  # BOS/EOS around a sentence
-            p.check(longest <= m.max_seq_len, "task.seq_len",
+            p.check(longest <= limit, "task.seq_len",
                     f"{t.seq_len} (+ special tokens) exceeds model.max_seq_len={m.max_seq_len}, the length "
-                    "learned positions can address; raise model.max_seq_len or shorten task.seq_len")
+                    f"{m.position} positions can address; raise model.max_seq_len or shorten task.seq_len")
 
     def with_seed(self, seed: int) -> "ExperimentConfig":
         return self.replace(train=self.train.replace(seed=seed))

@@ -1,8 +1,10 @@
 """`ModelConfig`: one flat, frozen, validated description of a transformer.
 
-Every design axis is one field. Valid values for the registry-backed axes
-(norm, norm_position, position, activation) come from the registries in
-`study.model`, so the error a user sees lists exactly what exists.
+Every design axis is one field. The registry-backed axes (norm, norm_position, position, activation) are validated
+by asking their registries (`study.axes`): the valid values are the registered classes, so the error a user sees
+lists exactly what exists, and each value's own rules for the rest of the config (RoPE's even head dimension) live on
+its class. `study.axes` imports nothing from `study`, so the dependency points one way; it is imported when a config
+is first validated, not when `study.config` is imported (which stays free of torch).
 """
 
 from __future__ import annotations
@@ -18,17 +20,10 @@ DEFAULT_OBJECTIVE = {arch: obj for obj, arch in OBJECTIVES.items()}
 
 
 def axis_choices() -> dict[str, list[str]]:
-    """Valid values of every enumerated axis, read from the model registries."""
-    from study.model import ACTIVATIONS, NORMS, POSITIONS, RESIDUALS
+    """Valid values of every enumerated axis: the architectures and objectives, and the registered axis values."""
+    from study.axes import AXES
 
-    return {
-        "arch": list(ARCHS),
-        "objective": list(OBJECTIVES),
-        "norm": NORMS.names(),
-        "norm_position": RESIDUALS.names(),
-        "position": POSITIONS.names(),
-        "activation": ACTIVATIONS.names(),
-    }
+    return {"arch": list(ARCHS), "objective": list(OBJECTIVES), **{k: r.names() for k, r in AXES.items()}}
 
 
 @dataclass(frozen=True)
@@ -83,7 +78,7 @@ class ModelConfig(Config):
 
     @property
     def resolved_d_ff(self) -> int:
-        from study.model.ffn import ACTIVATIONS, default_d_ff
+        from study.axes import ACTIVATIONS, default_d_ff
 
         return self.d_ff if self.d_ff is not None else default_d_ff(self.d_model, ACTIVATIONS[self.activation].gated)
 
@@ -110,9 +105,15 @@ class ModelConfig(Config):
 
     # validation ---------------------------------------------------------------
     def _validate(self, p: Problems) -> None:
-        choices = axis_choices()
-        for name in ("arch", "objective", "norm", "norm_position", "position", "activation"):
-            p.choice(name, getattr(self, name), choices[name])
+        self._validate_values(p)
+        self._validate_heads(p)
+        self._validate_axes(p)
+        self._validate_span(p)
+        self._validate_objective(p)
+
+    def _validate_values(self, p: Problems) -> None:
+        for name, choices in (("arch", ARCHS), ("objective", OBJECTIVES)):
+            p.choice(name, getattr(self, name), choices)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "rel_buckets", "rel_max_distance"):
             p.check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("n_encoder_layers", "n_kv_heads", "head_dim", "d_ff"):
@@ -127,66 +128,48 @@ class ModelConfig(Config):
         p.check(0 <= self.pad_token_id < self.vocab_size, "pad_token_id", f"must be in [0, vocab_size={self.vocab_size})")
         p.check(self.type_vocab_size >= 0, "type_vocab_size", f"must be >= 0, got {self.type_vocab_size}")
 
-        if self.n_heads >= 1:
-            kv = self.resolved_n_kv_heads
-            p.check(
-                kv >= 1 and self.n_heads % kv == 0,
-                "n_kv_heads",
+    def _validate_heads(self, p: Problems) -> None:
+        if self.n_heads < 1:
+            return
+        kv = self.resolved_n_kv_heads
+        p.check(kv >= 1 and self.n_heads % kv == 0, "n_kv_heads",
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv} "
-                f"(valid: {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]})",
-            )
-            if self.head_dim is None:
-                p.check(
-                    self.d_model % self.n_heads == 0,
-                    "n_heads",
-                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim or change n_heads",
-                )
-            if self.position == "rope":
-                p.check(
-                    self.resolved_head_dim % 2 == 0,
-                    "position",
-                    f"rope rotates pairs of dimensions and needs an even head dimension, got {self.resolved_head_dim}",
-                )
-        if self.position == "sinusoidal":
-            p.check(self.d_model % 2 == 0, "position", f"sinusoidal needs an even d_model, got {self.d_model}")
-        if self.position == "t5_bias":
-            p.check(self.rel_buckets >= 4, "rel_buckets", f"t5_bias needs rel_buckets >= 4, got {self.rel_buckets}")
-            p.check(
-                self.rel_max_distance > self.rel_buckets // 2,
-                "rel_max_distance",
-                f"must exceed rel_buckets // 2 = {self.rel_buckets // 2} (the exact-offset buckets), got {self.rel_max_distance}",
-            )
+                f"(valid: {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]})")
+        if self.head_dim is None:
+            p.check(self.d_model % self.n_heads == 0, "n_heads",
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim or change n_heads")
 
-        # attention span
+    def _validate_axes(self, p: Problems) -> None:
+        """Each registry-backed axis: a registered value, and that value's own rules for the rest of the config."""
+        from study.axes import AXES
+
+        for name, registry in AXES.items():
+            if p.choice(name, getattr(self, name), registry.names()) and self.n_heads >= 1 and self.d_model >= 1:
+                registry[getattr(self, name)].validate(self, p)
+
+    def _validate_span(self, p: Problems) -> None:
         if self.window is not None:
             p.check(self.window >= 1, "window", f"must be >= 1 (or null for global attention), got {self.window}")
-        if self.window_pattern is not None:
-            pattern_ok = p.check(
-                len(self.window_pattern) >= 1 and set(self.window_pattern) <= {"L", "G"},
-                "window_pattern",
-                f"must be a string of L (local) and G (global), e.g. 'LLLG'; got {self.window_pattern!r}",
-            )
-            p.check(self.window is not None, "window_pattern", "needs window to be set (the span of the L layers)")
-            if pattern_ok and self.window is not None:
-                p.check("L" in self.window_pattern, "window_pattern", "has no L layer, so window would be unused")
+        if self.window_pattern is None:
+            return
+        pattern_ok = p.check(
+            len(self.window_pattern) >= 1 and set(self.window_pattern) <= {"L", "G"}, "window_pattern",
+            f"must be a string of L (local) and G (global), e.g. 'LLLG'; got {self.window_pattern!r}")
+        p.check(self.window is not None, "window_pattern", "needs window to be set (the span of the L layers)")
+        if pattern_ok and self.window is not None:
+            p.check("L" in self.window_pattern, "window_pattern", "has no L layer, so window would be unused")
 
-        # objective and heads
+    def _validate_objective(self, p: Problems) -> None:
+        """The objective trains its architecture; the heads it needs are there."""
         if self.arch in ARCHS and self.objective in OBJECTIVES:
-            p.check(
-                OBJECTIVES[self.objective] == self.arch,
-                "objective",
-                f"{self.objective!r} trains arch={OBJECTIVES[self.objective]!r}, not arch={self.arch!r}",
-            )
+            p.check(OBJECTIVES[self.objective] == self.arch, "objective",
+                    f"{self.objective!r} trains arch={OBJECTIVES[self.objective]!r}, not arch={self.arch!r}")
         if self.nsp:
-            p.check(
-                self.arch == "encoder" and self.objective == "mlm",
-                "nsp",
-                f"next-sentence prediction needs arch='encoder' with objective='mlm', got arch={self.arch!r}",
-            )
+            p.check(self.arch == "encoder" and self.objective == "mlm", "nsp",
+                    f"next-sentence prediction needs arch='encoder' with objective='mlm', got arch={self.arch!r}")
             p.check(self.type_vocab_size >= 2, "type_vocab_size", "nsp needs segment embeddings: type_vocab_size >= 2")
         if self.type_vocab_size:
             p.check(self.arch == "encoder", "type_vocab_size",
                     f"segment embeddings are only read by arch='encoder' (sentence pairs), got arch={self.arch!r}")
         if self.n_encoder_layers is not None:
             p.check(self.arch == "encoder-decoder", "n_encoder_layers", "only applies to arch='encoder-decoder'")
-

@@ -29,7 +29,7 @@ from torch import nn
 
 from study.config.model import ModelConfig
 from study.model.attention import attention_bias
-from study.model.norms import RMSNorm
+from study.axes.norm import RMSNorm
 from study.model.transformer import Block, StackInputs
 
 __all__ = [
@@ -184,7 +184,7 @@ def run_block(
     if memory is not None and memory_padding_mask is not None:
         mem_pos = torch.arange(memory.shape[1], device=x.device)
         memory_bias, _ = attention_bias(positions, mem_pos, causal=False, key_padding_mask=memory_padding_mask)
-    masks = {block.span: (bias.to(x.dtype) if bias is not None else None, is_causal)}
+    masks = {block.attention_span: (bias.to(x.dtype) if bias is not None else None, is_causal)}
     memory_bias = memory_bias.to(x.dtype) if memory_bias is not None else None
     return block(x, StackInputs(masks, None, memory, memory_bias))
 

@@ -1,10 +1,7 @@
 """The configurable transformer: one file per design axis, then blocks and models."""
 
+from study.axes import ACTIVATIONS, NORM_POSITIONS, NORMS, POSITIONS
 from study.model.attention import KVCache
-from study.model.ffn import ACTIVATIONS
-from study.model.norms import NORMS
-from study.model.positions import POSITIONS
-from study.model.residual import RESIDUALS
 from study.model.transformer import (
     DecoderLM,
     EncoderDecoderLM,
@@ -17,7 +14,7 @@ __all__ = [
     "ACTIVATIONS",
     "NORMS",
     "POSITIONS",
-    "RESIDUALS",
+    "NORM_POSITIONS",
     "KVCache",
     "DecoderLM",
     "EncoderDecoderLM",

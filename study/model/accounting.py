@@ -7,11 +7,8 @@ cache bytes against a filled `KVCache`).
 
 from __future__ import annotations
 
+from study.axes import ACTIVATIONS, NORM_POSITIONS, NORMS, POSITIONS
 from study.config.model import ModelConfig
-from study.model.ffn import ACTIVATIONS
-from study.model.norms import NORMS
-from study.model.positions import POSITIONS
-from study.model.residual import RESIDUALS
 
 
 def _norm_params(cfg: ModelConfig) -> int:
@@ -28,15 +25,16 @@ def _attention_params(cfg: ModelConfig, bias: bool) -> int:
 
 
 def _ffn_params(cfg: ModelConfig, bias: bool) -> int:
-    width = cfg.resolved_d_ff * (2 if ACTIVATIONS[cfg.activation].gated else 1)
-    return _linear(cfg.d_model, width, bias) + _linear(cfg.resolved_d_ff, cfg.d_model, bias)
+    """The FFN's weights (and biases when `bias`), as the activation declares them."""
+    return ACTIVATIONS[cfg.activation].num_parameters(cfg if bias == cfg.bias else cfg.replace(bias=bias))
 
 
 def _stack_params(cfg: ModelConfig, n_layers: int, cross: bool) -> int:
-    residual = RESIDUALS[cfg.norm_position]
+    """Every axis value states its own parameters: the norm position its norms, the position scheme its table."""
+    residual = NORM_POSITIONS[cfg.norm_position]
     sublayers = 3 if cross else 2
     block = _attention_params(cfg, cfg.bias) * (2 if cross else 1) + _ffn_params(cfg, cfg.bias)
-    block += sublayers * residual.norms_per_sublayer * _norm_params(cfg)
+    block += residual.num_parameters(cfg, sublayers)
     n = n_layers * block
     n += cfg.type_vocab_size * cfg.d_model
     n += POSITIONS[cfg.position].num_parameters(cfg)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from study.model.positions import apply_rotary
+from study.axes.position import apply_rotary
 
 # Added to the scores of key positions a query must not see. Finite (not -inf) so a
 # query with no visible key (an all-padding row) yields a uniform, not NaN, average,
@@ -162,7 +162,7 @@ class Attention(nn.Module):
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
-        return x.view(b, t, n, self.head_dim).transpose(1, 2)
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # (B, T, n*hs) -> (B, n, T, hs)
 
     def forward(
         self,
@@ -173,27 +173,38 @@ class Attention(nn.Module):
         memory: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d). nh query heads, nkv K/V heads (nh = nkv * groups), hs = head_dim; `bias`
+        (B|1, nh|1, T, Tk) is added to the scores; Tk = T, plus the cached past, or the memory length S."""
         b, t, _ = x.shape
-        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if self.cross:
-            q = self._heads(self.q_proj(x), self.n_heads)
-            if cache is not None and self.layer_idx in cache.cross_kv:
-                k, v = cache.cross_kv[self.layer_idx]
-            else:
-                k, v = self.kv_proj(memory).split([kv_dim, kv_dim], dim=-1)
-                k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-                if cache is not None:
-                    cache.cross_kv[self.layer_idx] = (k, v)
+            q = self._heads(self.q_proj(x), self.n_heads)  # (B, nh, T, hs)
+            k, v = self._memory_kv(memory, cache)  # (B, nkv, S, hs) each
         else:
-            q, k, v = self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-            if rotary is not None:
-                cos, sin = rotary
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            if cache is not None:
-                k, v = cache.append(self.layer_idx, k, v, keep=self.cache_keep)
+            q, k, v = self._self_qkv(x, rotary, cache)  # (B, nh, T, hs), (B, nkv, Tk, hs), (B, nkv, Tk, hs)
         if bias is not None and bias.dtype != q.dtype:
             bias = bias.to(q.dtype)
         dropout_p = self.dropout_p if self.training else 0.0
-        out = _sdpa(q, k, v, bias, is_causal, dropout_p, self.n_heads // self.n_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, q_dim))
+        out = _sdpa(q, k, v, bias, is_causal, dropout_p, self.n_heads // self.n_kv_heads)  # (B, nh, T, hs)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, d)
+
+    def _self_qkv(self, x: torch.Tensor, rotary, cache: KVCache | None):
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)  # (B, T, nh*hs), (B, T, nkv*hs) x 2
+        q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        if rotary is not None:  # RoPE rotates q and k before they are cached (Su et al. 2021)
+            cos, sin = rotary  # (T, hs) each
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(self.layer_idx, k, v, keep=self.cache_keep)  # (B, nkv, past + T, hs)
+        return q, k, v
+
+    def _memory_kv(self, memory: torch.Tensor, cache: KVCache | None):
+        """K and V of the encoder memory (B, S, d), projected once per decoding and kept in the cache."""
+        if cache is not None and self.layer_idx in cache.cross_kv:
+            return cache.cross_kv[self.layer_idx]
+        kv_dim = self.n_kv_heads * self.head_dim
+        k, v = self.kv_proj(memory).split([kv_dim, kv_dim], dim=-1)  # (B, S, nkv*hs) each
+        k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        if cache is not None:
+            cache.cross_kv[self.layer_idx] = (k, v)
+        return k, v

@@ -1,48 +1,15 @@
-"""FFN activation axis: plain two-layer MLPs and gated linear units.
+"""The feed-forward sublayer: a two-layer MLP or a gated linear unit, as the activation axis says (study.axes).
 
-Gated variants (Shazeer 2020, "GLU Variants Improve Transformer") compute
-act(x W_gate) * (x W_up); W_gate and W_up are stored as one fused matrix
+Gated variants (Shazeer 2020) compute act(x W_gate) * (x W_up); W_gate and W_up are stored as one fused matrix
 (gate rows first) so one matmul serves both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from study.model.registry import Registry
-
-
-@dataclass(frozen=True)
-class Activation:
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    gated: bool
-
-
-ACTIVATIONS: Registry[Activation] = Registry("activation")
-ACTIVATIONS.add("relu", Activation(F.relu, gated=False), "ReLU MLP (Vaswani et al. 2017, T5 v1.0)")
-ACTIVATIONS.add("gelu", Activation(F.gelu, gated=False), "GELU, exact erf form (Hendrycks & Gimpel 2016; BERT)")
-ACTIVATIONS.add(
-    "gelu_tanh", Activation(lambda x: F.gelu(x, approximate="tanh"), gated=False), "GELU, tanh approximation (GPT-2)"
-)
-ACTIVATIONS.add("silu", Activation(F.silu, gated=False), "SiLU/Swish MLP (Ramachandran et al. 2017)")
-ACTIVATIONS.add("swiglu", Activation(F.silu, gated=True), "SiLU-gated linear unit (Shazeer 2020; Llama)")
-ACTIVATIONS.add("geglu", Activation(F.gelu, gated=True), "GELU-gated linear unit (Shazeer 2020; T5 v1.1)")
-
-
-def default_d_ff(d_model: int, gated: bool) -> int:
-    """4d for a plain MLP; for a gated one, 2/3 of that so the parameter count matches
-    (Shazeer 2020), rounded up to a multiple of min(256, d_model / 16): Llama's 256 at
-    d_model 4096 (-> 11008), while small models stay within a few percent of the plain MLP's
-    size so an activation ablation does not also change the model size."""
-    if not gated:
-        return 4 * d_model
-    multiple = max(1, min(256, d_model // 16))
-    return multiple * -(-(8 * d_model // 3) // multiple)
+from study.axes import ACTIVATIONS
 
 
 class FeedForward(nn.Module):
@@ -56,10 +23,10 @@ class FeedForward(nn.Module):
         # which the residual recipe does.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.w_in(x)
+        h = self.w_in(x)  # (B, T, d_ff) or (B, T, 2 d_ff) for a gated unit: [gate; up]
         if self.activation.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.activation.fn(gate) * up
         else:
             h = self.activation.fn(h)
-        return self.w_out(h)
+        return self.w_out(h)  # (B, T, d_model)

@@ -16,12 +16,10 @@ from torch import nn
 
 from study.config.model import ModelConfig
 from study.model.attention import Attention, KVCache, attention_bias
-from study.model.ffn import ACTIVATIONS, FeedForward
-from study.model.norms import make_norm
+from study.axes import ACTIVATIONS, NORM_POSITIONS, make_norm, make_position
+from study.model.ffn import FeedForward
 from study.model.loss import linear_cross_entropy
-from study.model.positions import make_position
 from study.model.precision import autocast_dtype
-from study.model.residual import RESIDUALS
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -50,12 +48,12 @@ class StackInputs:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, span: str, cross: bool):
         super().__init__()
-        residual = RESIDUALS[cfg.norm_position]
+        residual = NORM_POSITIONS[cfg.norm_position]
 
         def wrap() -> nn.Module:
             return residual(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, cfg.dropout)
 
-        self.span = span
+        self.attention_span = span  # 'local' (sliding window) or 'global'
         self.self_attn = Attention(cfg, layer_idx, window=cfg.window if span == "local" else None)
         self.self_attn_residual = wrap()
         self.cross_attn = Attention(cfg, layer_idx, cross=True) if cross else None
@@ -64,7 +62,7 @@ class Block(nn.Module):
         self.ffn_residual = wrap()
 
     def forward(self, x: torch.Tensor, inputs: StackInputs) -> torch.Tensor:
-        bias, is_causal = inputs.masks[self.span]
+        bias, is_causal = inputs.masks[self.attention_span]
         x = self.self_attn_residual(
             x, lambda h: self.self_attn(h, bias, is_causal, rotary=inputs.rotary, cache=inputs.cache)
         )
@@ -87,9 +85,9 @@ class Stack(nn.Module):
         self.position = make_position(cfg, causal)
         self.embedding_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias) if cfg.embedding_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
-        self.spans = cfg.layer_spans(n_layers)
-        self.blocks = nn.ModuleList(Block(cfg, i, span, cross) for i, span in enumerate(self.spans))
-        needs_final = RESIDUALS[cfg.norm_position].needs_final_norm
+        self.attention_spans = cfg.layer_spans(n_layers)  # 'local' or 'global' per layer
+        self.blocks = nn.ModuleList(Block(cfg, i, span, cross) for i, span in enumerate(self.attention_spans))
+        needs_final = NORM_POSITIONS[cfg.norm_position].needs_final_norm
         self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias) if needs_final else None
 
     def forward(
@@ -102,59 +100,68 @@ class Stack(nn.Module):
         memory_padding_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """`padding_mask`/`memory_padding_mask`: (B, T) True for real tokens. With a cache,
-        `padding_mask` covers the past and the new positions."""
-        cfg = self.cfg
-        b, t = input_ids.shape
+        """Hidden states (B, T, d) of `input_ids` (B, T). `padding_mask`/`memory_padding_mask`: (B, T) True for real
+        tokens; with a cache, `padding_mask` covers the past and the new positions."""
         start = cache.length if cache is not None else 0
-        device = input_ids.device
-        q_pos = torch.arange(start, start + t, device=device)
-        k_pos = torch.arange(0, start + t, device=device) if start else q_pos
+        q_pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)  # (T,) absolute positions
+        k_pos = torch.arange(0, start + input_ids.shape[1], device=input_ids.device) if start else q_pos  # (Tk,)
+        h = self._embed(input_ids, token_type_ids, q_pos)  # (B, T, d)
+        inputs = StackInputs(self._masks(q_pos, k_pos, padding_mask, cache, _compute_dtype(h)),
+                             self.position.rotary(q_pos), memory,
+                             self._memory_bias(q_pos, memory, memory_padding_mask, _compute_dtype(h)), cache)
+        for block in self.blocks:
+            h = block(h, inputs)  # (B, T, d)
+        if cache is not None:
+            cache.seen = start + input_ids.shape[1]
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        return h
 
-        h = self.token_embedding(input_ids)
+    def _embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+               q_pos: torch.Tensor) -> torch.Tensor:
+        """Token (+ segment) (+ absolute position) embeddings, normalised (BERT) and dropped out: (B, T, d)."""
+        cfg = self.cfg
+        h = self.token_embedding(input_ids)  # (B, T, d)
         if cfg.embed_scale:
             h = h * math.sqrt(cfg.d_model)
         if self.type_embedding is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(input_ids)
             h = h + self.type_embedding(token_type_ids)
-        pe = self.position.embed(q_pos)
+        pe = self.position.embed(q_pos)  # (T, d) or None
         if pe is not None:
             h = h + pe.to(h.dtype)
         if self.embedding_norm is not None:
             h = self.embedding_norm(h)
-        h = self.dropout(h)
+        return self.dropout(h)
 
-        dtype = _compute_dtype(h)
+    def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, padding_mask: torch.Tensor | None,
+               cache: KVCache | None, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor | None, bool]]:
+        """Attention span -> (additive bias (B|1, H|1, Tq, Tk) or None, is_causal), built once per forward."""
         masks = {}
-        for span in set(self.spans):
-            window = cfg.window if span == "local" else None
+        start = int(q_pos[0]) if q_pos.numel() else 0
+        for span in set(self.attention_spans):
+            window = self.cfg.window if span == "local" else None
             # with a cache, a sliding-window layer holds only its most recent past positions
             first = start - cache.kept(window) if cache is not None else 0
-            span_k_pos = k_pos[first:]
-            span_padding = padding_mask[:, first:] if padding_mask is not None else None
+            span_k_pos = k_pos[first:]  # (Tk,)
+            span_padding = padding_mask[:, first:] if padding_mask is not None else None  # (B, Tk)
             bias, is_causal = attention_bias(
-                q_pos,
-                span_k_pos,
-                causal=self.causal,
-                window=window,
-                key_padding_mask=span_padding,
-                position_bias=self.position.bias(q_pos, span_k_pos),
+                q_pos, span_k_pos, causal=self.causal, window=window, key_padding_mask=span_padding,
+                position_bias=self.position.bias(q_pos, span_k_pos),  # (H, Tq, Tk) or None
             )
             masks[span] = (_to_compute_dtype(bias, dtype), is_causal)
-        memory_bias = None
-        if memory is not None and memory_padding_mask is not None:
-            mem_pos = torch.arange(memory.shape[1], device=device)
-            memory_bias, _ = attention_bias(q_pos, mem_pos, causal=False, key_padding_mask=memory_padding_mask)
-            memory_bias = _to_compute_dtype(memory_bias, dtype)
-        inputs = StackInputs(masks, self.position.rotary(q_pos), memory, memory_bias, cache)
-        for block in self.blocks:
-            h = block(h, inputs)
-        if cache is not None:
-            cache.seen = start + t
-        if self.final_norm is not None:
-            h = self.final_norm(h)
-        return h
+        return masks
+
+    @staticmethod
+    def _memory_bias(q_pos: torch.Tensor, memory: torch.Tensor | None, memory_padding_mask: torch.Tensor | None,
+                     dtype: torch.dtype) -> torch.Tensor | None:
+        """Cross-attention's padding bias over the encoder memory (B, 1, Tq, S), or None."""
+        if memory is None or memory_padding_mask is None:
+            return None
+        mem_pos = torch.arange(memory.shape[1], device=memory.device)
+        bias, _ = attention_bias(q_pos, mem_pos, causal=False, key_padding_mask=memory_padding_mask)
+        return _to_compute_dtype(bias, dtype)
 
 
 class TransformerBase(nn.Module):

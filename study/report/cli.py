@@ -13,10 +13,11 @@ DEFAULT_RUNS = "bench/results/run-*.json"
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from study.report import build_report
+    from study.report.collect import UndeclaredMetric
 
     try:
         output = build_report(args.results, args.out, formats=tuple(f for f in args.formats.split(",") if f))
-    except FileNotFoundError as err:
+    except (FileNotFoundError, UndeclaredMetric) as err:
         print(f"study report: {err}", file=sys.stderr)
         return 2
     from study.report.collect import load_results
@@ -42,6 +43,7 @@ def _runs(args: argparse.Namespace) -> list[str]:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from study.report import build_compare
+    from study.report.collect import UndeclaredMetric
 
     runs = _runs(args)
     missing = [r for r in runs if not Path(r).exists()]
@@ -53,11 +55,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         return 2
     try:
         comparison = build_compare(args.results, args.out, runs=runs)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, UndeclaredMetric) as err:
         print(f"study compare: {err}", file=sys.stderr)
         return 2
-    verdicts = comparison.effects["verdict"].value_counts().to_dict() if len(comparison.effects) else {}
+    effects = comparison.effects
+    verdicts = effects["verdict"].value_counts().to_dict() if len(effects) else {}
+    holm = effects["holm_verdict"].value_counts().to_dict() if len(effects) else {}
     print("study compare: effects " + (", ".join(f"{n} {v}" for v, n in verdicts.items()) or "none tested")
+          + (f" (after Holm over {int(effects['holm_family'].iloc[0])} tests: "
+             + ", ".join(f"{n} {v}" for v, n in holm.items()) + ")" if len(effects) else "")
           + f"; {len(comparison.numbers)} number pairs "
           f"({int(comparison.numbers['comparable'].sum()) if len(comparison.numbers) else 0} comparable)")
     print(f"  {comparison.markdown}")

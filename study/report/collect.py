@@ -1,15 +1,21 @@
 """Read a sweep's results directory (never rebuild anything): the trial table, the plan and the spec.
 
     results/<sweep>/results.parquet   one row per trial (point, seed); results.csv as a fallback
-    results/<sweep>/plan.json         design, objective, seeds, axes, points (with their configs)
+    results/<sweep>/plan.json         design, objective, seeds, axes, points (with their configs), and each task
+                                      family's declarations: its metrics (direction, scale, whether it may rank a
+                                      sweep), its default objective and its comparable training curves
     results/<sweep>/spec.yaml         the sweep spec as written
 
-A sweep may still be running: trials the plan lists but the table lacks are added as `pending` rows
-(never ran), so every report states what is missing instead of silently averaging what is there.
+Directions and scales are read from those declarations (and, for `cost.*`, from `study.record.COSTS`), never
+guessed from a metric's name: a metric nobody declared has no direction, and a plan.json written before
+declarations existed is refused with what to do. A sweep may still be running: trials the plan lists but the
+table lacks are added as `pending` rows (never ran), so every report states what is missing instead of silently
+averaging what is there.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import re
@@ -21,27 +27,37 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-STATUSES = ("completed", "diverged", "failed", "running", "pending")
+from study.io import read_json_or_none
+from study.record import COSTS, STATUSES
+
 NOT_RUN = ("running", "pending")
-
-# Primary metric per task family when the plan does not name one: (metric, direction).
-DEFAULT_OBJECTIVE = {
-    "lm": ("valid_loss", "minimize"),
-    "pretrain": ("valid_loss", "minimize"),
-    "translation": ("bleu", "maximize"),
-    "glue": ("glue_score", "maximize"),
-}
-LOWER_IS_BETTER = re.compile(r"(loss|ppl|perplexity|bpc|bytes|memory|seconds|flops|parameters)", re.I)
-BY_LENGTH = "metric.test_ppl_by_length."
-PPL_AT_2X = "metric.test_ppl_at_2x"
+# `<split>_ppl_by_length.<L>` and `<split>_ppl_at_2x`: the LM task's extrapolation metrics, on the corpus's last
+# split (Tiny Shakespeare: valid; WikiText-2: test)
+BY_LENGTH = re.compile(r"^metric\.(?P<split>[a-z]+)_ppl_by_length\.(?P<n>\d+)$")
+AT_2X = re.compile(r"^metric\.(?P<split>[a-z]+)_ppl_at_2x$")
+SPLIT_WORDS = {"valid": "validation", "test": "test", "dev": "dev"}
 
 
-def metric_direction(metric: str) -> str:
-    """'minimize' for losses, perplexities and costs (except throughput), else 'maximize'."""
-    name = metric.split(".", 1)[1] if metric.startswith(("metric.", "cost.")) else metric
-    if "tokens_per_s" in name:
-        return "maximize"
-    return "minimize" if LOWER_IS_BETTER.search(name) else "maximize"
+class UndeclaredMetric(ValueError):
+    """A metric (or a whole plan) without a declaration: its direction and scale are unknown, and never guessed."""
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What a task family (or study.record.COSTS) declares about one metric column."""
+
+    column: str               # metric.<name> or cost.<name>
+    declared_as: str          # the declared name or fnmatch pattern it matched
+    task: str | None          # the declaring task family (None: a cost)
+    direction: str            # 'minimize' | 'maximize'
+    scale: str                # unit and range, e.g. 'nats/token', '0-100', 'count'
+    objective: bool = True    # False: bookkeeping (counts) that must never rank a sweep
+    by_construction: bool = False  # a cost computed from the config by arithmetic, not measured
+    description: str = ""
+
+    @property
+    def better(self) -> str:
+        return "lower" if self.direction == "minimize" else "higher"
 
 
 def metric_column(metric: str) -> str:
@@ -49,23 +65,50 @@ def metric_column(metric: str) -> str:
     return metric if metric.startswith(("metric.", "cost.")) else f"metric.{metric}"
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(f"{prefix}.{k}", v, out)
-    else:
-        out[prefix] = value
+def metric_name(column: str) -> str:
+    """'metric.valid_loss' -> 'valid_loss'; costs keep their prefix."""
+    return column[len("metric."):] if column.startswith("metric.") else column
 
 
-def flatten_metrics(metrics_json: dict) -> dict[str, Any]:
-    """A run's metrics.json as a trial row: `metric.*`, `cost.*`, status, steps..."""
-    row: dict[str, Any] = {}
-    for key in ("status", "steps", "diverged_at_step", "train_tokens", "stopped_by"):
-        if key in metrics_json:
-            row[key] = metrics_json[key]
-    _flatten("metric", metrics_json.get("metrics", {}), row)
-    _flatten("cost", metrics_json.get("cost", {}), row)
-    return row
+def match_declaration(declared: dict[str, dict], name: str) -> tuple[str, dict] | None:
+    """(declared name, declaration) of metric `name`: an exact name wins over a pattern, and patterns are tried in
+    declaration order (as study.tasks.contract.TaskFamily.metric does)."""
+    if name in declared:
+        return name, declared[name]
+    return next(((p, d) for p, d in declared.items() if fnmatch.fnmatchcase(name, p)), None)
+
+
+def cost_declaration(column: str, stages: list[str] = ()) -> Declaration | None:
+    """A `cost.*` column's direction, unit and whether it is by construction (study.record.COSTS); a pipeline's
+    earlier stage's costs (`cost.pretrain.parameters`) are declared the same."""
+    name = column[len("cost."):]
+    head, _, rest = name.partition(".")
+    if head in stages and rest:
+        name = rest
+    if name not in COSTS:
+        return None
+    direction, unit, constructed = COSTS[name]
+    return Declaration(column, name, None, direction, unit, objective=False, by_construction=constructed)
+
+
+def by_length_columns(table: pd.DataFrame) -> tuple[str | None, list[tuple[int, str]]]:
+    """(split, [(evaluation length, column)]) of the `<split>_ppl_by_length.<L>` columns; a table holding two
+    splits' (never written together) gives the test split's."""
+    found: dict[str, list[tuple[int, str]]] = {}
+    for col in table.columns:
+        m = BY_LENGTH.match(str(col))
+        if m:
+            found.setdefault(m["split"], []).append((int(m["n"]), col))
+    if not found:
+        return None, []
+    split = "test" if "test" in found else sorted(found)[0]
+    return split, sorted(found[split])
+
+
+def at_2x_column(table: pd.DataFrame) -> str | None:
+    """The `<split>_ppl_at_2x` column the table has (test before valid), or None."""
+    cols = sorted((c for c in table.columns if AT_2X.match(str(c))), key=lambda c: "metric.test" not in c)
+    return cols[0] if cols else None
 
 
 def _coerce_numeric(table: pd.DataFrame) -> pd.DataFrame:
@@ -127,23 +170,81 @@ class SweepResults:
                 axes[col[5:]] = values
         return axes
 
+    # -- declarations -----------------------------------------------------------------------------------
+    @property
+    def stages(self) -> list[str]:
+        """A study in stages: its stage names in order (the last one's metrics are unprefixed); else []."""
+        return [str(s) for s in self.plan.get("stages") or []]
+
+    @cached_property
+    def stage_tasks(self) -> dict[str, str]:
+        """Stage name -> the task family that runs it, from the points' configs."""
+        out: dict[str, str] = {}
+        for p in self.plan.get("points", []):
+            for name, exp in ((p.get("config") or {}).get("stages") or {}).items():
+                out.setdefault(name, ((exp or {}).get("task") or {}).get("name"))
+        return out
+
+    def _task_of(self, task: str | None) -> str:
+        """The task whose declarations name an unprefixed metric: `task`, else a pipeline's last stage's, else the
+        objective's."""
+        if task is not None:
+            return task
+        if self.stages and self.stage_tasks.get(self.stages[-1]):
+            return self.stage_tasks[self.stages[-1]]
+        return str((self.plan.get("objective") or {}).get("task") or self.tasks[0])
+
+    def declaration(self, metric: str, task: str | None = None) -> Declaration | None:
+        """The declaration of a metric (`valid_loss`, `metric.SST-2/accuracy`, `pretrain.valid_mlm_loss`) of
+        `task` (default: the objective's task), or of a `cost.*` column; None when nothing declares it."""
+        column = metric_column(metric)
+        if column.startswith("cost."):
+            return cost_declaration(column, self.stages[:-1])
+        name, family = metric_name(column), self._task_of(task)
+        head, _, rest = name.partition(".")
+        if head in self.stages[:-1] and rest:  # an earlier stage's metric, declared by that stage's task
+            name, family = rest, self.stage_tasks.get(head, family)
+        found = match_declaration(((self.plan.get("tasks") or {}).get(family) or {}).get("metrics") or {}, name)
+        if found is None:
+            return None
+        pattern, d = found
+        return Declaration(column, pattern, family, d["direction"], str(d.get("scale") or ""),
+                           bool(d.get("objective", True)), description=str(d.get("description") or ""))
+
+    def declared(self, metric: str, task: str | None = None) -> Declaration:
+        """As `declaration`, but a metric nobody declared is an error: its direction is never guessed."""
+        found = self.declaration(metric, task)
+        if found is None:
+            raise UndeclaredMetric(f"{metric_column(metric)}: no declaration in {self.root / 'plan.json'} for task "
+                                   f"{self._task_of(task)!r} (nor in study.record.COSTS), so its direction and scale "
+                                   "are unknown; the report does not guess them")
+        return found
+
     def objective(self, task: str | None = None) -> tuple[str, str]:
-        """(metric name, 'minimize' | 'maximize') for a task: the plan's objective when the task
-        records it, else the task family's default, else the first metric with values."""
-        sub = self.table if task is None else self.table[self.table["task"] == task]
-        candidates = []
+        """(metric name, 'minimize' | 'maximize'): the plan's declared objective for its task (a study in stages:
+        for the whole pipeline, whichever stage's metric it names), else `task`'s declared default objective.
+        Never another metric, and never a direction guessed from a name."""
         obj = self.plan.get("objective") or {}
-        if obj.get("metric"):
-            candidates.append((obj["metric"], obj.get("direction") or metric_direction(obj["metric"])))
-        if task in DEFAULT_OBJECTIVE:
-            candidates.append(DEFAULT_OBJECTIVE[task])
-        for metric, direction in candidates:
-            col = metric_column(metric)
-            if col in sub and pd.to_numeric(sub[col], errors="coerce").notna().any():
-                return metric, direction
-        for col in self.metric_columns(sub):
-            return col[len("metric."):], metric_direction(col)
-        return candidates[0] if candidates else ("valid_loss", "minimize")
+        if task is None or task == obj.get("task") or self.stages:
+            metric, family = str(obj["metric"]), obj.get("task")
+        else:
+            declared = (self.plan.get("tasks") or {}).get(task) or {}
+            if not declared.get("default_objective"):
+                raise UndeclaredMetric(f"task {task!r}: plan.json declares no default objective for it")
+            metric, family = str(declared["default_objective"]), task
+        spec = self.declared(metric, None if self.stages else family)
+        if not spec.objective:
+            raise UndeclaredMetric(f"{metric} ({spec.scale}) is declared bookkeeping, not a quality measure: "
+                                   "it never ranks a sweep")
+        return metric, spec.direction
+
+    def curve_columns(self, task: str) -> dict[str, str]:
+        """{'train': column, 'valid': column} of logs/metrics.csv that the task declares comparable across its
+        variants (pretraining: the MLM loss, never MLM + NSP against MLM alone)."""
+        curves = ((self.plan.get("tasks") or {}).get(task) or {}).get("curves")
+        if not curves:
+            raise UndeclaredMetric(f"task {task!r}: plan.json declares no training curves for it")
+        return dict(curves)
 
     @staticmethod
     def metric_columns(table: pd.DataFrame) -> list[str]:
@@ -237,7 +338,13 @@ class SweepResults:
 
     @property
     def tasks(self) -> list[str]:
-        return list(dict.fromkeys(self.table["task"].dropna().astype(str))) or ["lm"]
+        found = list(dict.fromkeys(self.table["task"].dropna().astype(str)))
+        if found:
+            return found
+        # no row names its task (nothing has run): the task the plan's points run, else the objective's
+        tasks = [(self.experiment_config(str(p.get("label"))).get("task") or {}).get("name")
+                 for p in self.plan.get("points", [])]
+        return list(dict.fromkeys(t for t in tasks if t)) or [str((self.plan.get("objective") or {}).get("task"))]
 
     # -- run directories --------------------------------------------------------------------------
     def run_dir(self, row: pd.Series | dict) -> Path | None:
@@ -259,9 +366,14 @@ class SweepResults:
     def _curves(self) -> dict[str, pd.DataFrame]:
         return {}
 
-    def curves(self, row: pd.Series) -> pd.DataFrame | None:
-        """The trial's logs/metrics.csv (sparse Lightning rows), or None when absent or unreadable."""
+    def curves(self, row: pd.Series, stage: str | None = None) -> pd.DataFrame | None:
+        """The trial's logs/metrics.csv (sparse Lightning rows), or None when absent or unreadable; `stage`: the
+        curves of that stage of a study in stages (its run directory is in the trial's metrics.json)."""
         run_dir = self.run_dir(row)
+        if run_dir is not None and stage is not None:
+            record = read_json_or_none(run_dir / "metrics.json") or {}
+            stage_dir = ((record.get("stages") or {}).get(stage) or {}).get("run_dir")
+            run_dir = self.run_dir({"run_dir": stage_dir}) if stage_dir else None
         if run_dir is None:
             return None
         key = str(run_dir)
@@ -277,10 +389,20 @@ class SweepResults:
         return self._curves[key]
 
     def point_config(self, label: str) -> dict:
+        """The planned config of the point `label` (an experiment, or a pipeline {name, stages})."""
         for p in self.plan.get("points", []):
             if p.get("label") == label:
                 return p.get("config") or {}
         return {}
+
+    def experiment_config(self, label: str, stage: str | None = None) -> dict:
+        """The planned experiment of point `label`: itself, or a pipeline's stage `stage` (default: its last, the
+        one the table's task and dataset are)."""
+        cfg = self.point_config(label)
+        stages = cfg.get("stages") if isinstance(cfg, dict) else None
+        if not stages:
+            return cfg
+        return (stages.get(stage) if stage else list(stages.values())[-1]) or {}
 
 
 def normalise_value(value: Any) -> str:
@@ -298,6 +420,8 @@ def _plan_rows(plan: dict, sweep: str) -> pd.DataFrame:
     rows = []
     for p in plan.get("points", []):
         cfg = p.get("config") or {}
+        if isinstance(cfg, dict) and cfg.get("stages"):  # a pipeline: its last stage's task, as results.csv has
+            cfg = list(cfg["stages"].values())[-1] or {}
         task = cfg.get("task", {}) if isinstance(cfg, dict) else {}
         for seed in plan.get("seeds", []):
             row = {"sweep": sweep, "point": p.get("point"), "seed": int(seed), "trial_key": f"{p.get('point')}-s{seed}",
@@ -310,55 +434,37 @@ def _plan_rows(plan: dict, sweep: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _add_ppl_at_2x(table: pd.DataFrame, plan: dict) -> pd.DataFrame:
-    """`metric.test_ppl_at_2x`: test perplexity at twice the training length (the extrapolation
-    point of Press et al. 2022, Table 2's L_valid ~ 2L), from `metric.test_ppl_by_length.<L>`."""
-    lengths = sorted(int(c[len(BY_LENGTH):]) for c in table.columns
-                     if c.startswith(BY_LENGTH) and c[len(BY_LENGTH):].isdigit())
-    if not lengths or PPL_AT_2X in table:
-        return table
-    seq_len = {p.get("label"): ((p.get("config") or {}).get("task") or {}).get("seq_len")
-               for p in plan.get("points", [])}
-    values = []
-    for _, row in table.iterrows():
-        train_len = seq_len.get(row.get("label"))
-        if not train_len:
-            have = [n for n in lengths if pd.notna(row.get(f"{BY_LENGTH}{n}"))]
-            train_len = have[0] if have else lengths[0]
-        values.append(row.get(f"{BY_LENGTH}{2 * int(train_len)}", np.nan))
-    table[PPL_AT_2X] = pd.to_numeric(pd.Series(values, index=table.index), errors="coerce")
-    return table
+def check_plan(plan: dict, root: Path) -> None:
+    """A plan.json the report can read: it declares the objective (with the task that declares it) and every task
+    family's metrics. One written before declarations existed is refused, saying what to do."""
+    where = root / "plan.json"
+    if not plan:
+        raise UndeclaredMetric(f"{where} is missing: the report reads every metric's direction and scale from the "
+                               "declarations `study sweep` writes there, and never guesses them")
+    obj = plan.get("objective") or {}
+    missing = [k for k in ("metric", "direction", "task") if not obj.get(k)]
+    missing += ["tasks"] if not isinstance(plan.get("tasks"), dict) or not plan["tasks"] else []
+    if missing:
+        raise UndeclaredMetric(
+            f"{where} predates declared metrics (it lacks {', '.join(missing)}): its metrics' directions and scales "
+            "are not recorded and the report does not guess them. Re-run the sweep with the current `study sweep` "
+            "(finished trials are found and kept; only plan.json and the results table are rewritten).")
 
 
-def load_results(path: str | Path) -> SweepResults:
-    """Load `results/<sweep>/` (or a results.parquet / results.csv file inside it)."""
-    path = Path(path)
-    root = path.parent if path.is_file() else path
-    if not root.is_dir():
-        raise FileNotFoundError(f"no results directory at {root}")
-    plan: dict = {}
-    if (root / "plan.json").is_file():
-        plan = json.loads((root / "plan.json").read_text())
-    spec_text = (root / "spec.yaml").read_text() if (root / "spec.yaml").is_file() else None
-
-    table, source = None, ""
+def _read_table(path: Path, root: Path) -> tuple[pd.DataFrame | None, str]:
     files = [path] if path.is_file() else [root / "results.parquet", root / "results.csv"]
     for f in files:
         if not f.is_file():
             continue
         try:
-            table = pd.read_parquet(f) if f.suffix == ".parquet" else pd.read_csv(f, keep_default_na=True)
-            source = f.name
-            break
+            return (pd.read_parquet(f) if f.suffix == ".parquet" else pd.read_csv(f, keep_default_na=True)), f.name
         except Exception:  # a parquet being rewritten by a running sweep: fall back to the CSV
             continue
-    if table is None:
-        if not plan:
-            raise FileNotFoundError(f"{root} holds neither results.parquet, results.csv nor plan.json")
-        table, source = pd.DataFrame(columns=["label", "seed", "status", "is_baseline", "task"]), "plan.json only"
+    return None, ""
 
-    has_sweep = "sweep" in table and table["sweep"].notna().any()
-    sweep = plan.get("sweep") or (str(table["sweep"].dropna().iloc[0]) if has_sweep else root.name)
+
+def _normalise(table: pd.DataFrame) -> pd.DataFrame:
+    """Identity columns with their types, whatever file (or none) they came from."""
     table = table.copy()
     for col, default in (("status", "pending"), ("is_baseline", False), ("error", ""), ("attempts", 0),
                          ("varied", ""), ("seed", np.nan), ("label", ""), ("task", None), ("dataset", None)):
@@ -368,23 +474,46 @@ def load_results(path: str | Path) -> SweepResults:
     table["is_baseline"] = table["is_baseline"].map(
         lambda v: str(v).strip().lower() in ("true", "1", "yes") if not isinstance(v, (bool, np.bool_)) else bool(v))
     table["error"] = table["error"].astype(object).where(table["error"].notna(), "").astype(str)
+    return table
 
-    if plan.get("points"):
-        planned = _plan_rows(plan, sweep)
-        have = set(zip(table.get("point", pd.Series(dtype=str)).astype(str), table["seed"].astype("Int64").astype(str)))
-        if len(planned):
-            missing = planned[[(str(p), str(s)) not in have for p, s in zip(planned["point"], planned["seed"])]]
-            if len(missing):
-                table = pd.concat([table, missing], ignore_index=True)
-        # fill identity columns the table lacks from the plan (task, axes) per label
-        by_label = planned.drop_duplicates("label").set_index("label") if len(planned) else pd.DataFrame()
-        for col in ("task", "dataset", "varied", *[c for c in by_label.columns if c.startswith("axis.")]):
-            if col in by_label:
-                fill = table["label"].map(by_label[col])
-                table[col] = table[col].where(table[col].notna(), fill) if col in table else fill
+
+def _add_planned(table: pd.DataFrame, plan: dict, sweep: str) -> pd.DataFrame:
+    """Pending rows for the planned trials the table lacks, and identity columns it lacks filled from the plan."""
+    planned = _plan_rows(plan, sweep)
+    if not len(planned):
+        return table
+    have = set(zip(table.get("point", pd.Series(dtype=str)).astype(str), table["seed"].astype("Int64").astype(str)))
+    missing = planned[[(str(p), str(s)) not in have for p, s in zip(planned["point"], planned["seed"])]]
+    if len(missing):
+        table = pd.concat([table, missing], ignore_index=True)
+    by_label = planned.drop_duplicates("label").set_index("label")
+    for col in ("task", "dataset", "varied", *[c for c in by_label.columns if c.startswith("axis.")]):
+        if col in by_label:
+            fill = table["label"].map(by_label[col])
+            table[col] = table[col].where(table[col].notna(), fill) if col in table else fill
+    return table
+
+
+def load_results(path: str | Path) -> SweepResults:
+    """Load `results/<sweep>/` (or a results.parquet / results.csv file inside it). Raises FileNotFoundError
+    when there is nothing to read, UndeclaredMetric when plan.json is missing or predates declared metrics."""
+    path = Path(path)
+    root = path.parent if path.is_file() else path
+    if not root.is_dir():
+        raise FileNotFoundError(f"no results directory at {root}")
+    plan: dict = json.loads((root / "plan.json").read_text()) if (root / "plan.json").is_file() else {}
+    table, source = _read_table(path, root)
+    if table is None and not plan:
+        raise FileNotFoundError(f"{root} holds neither results.parquet, results.csv nor plan.json")
+    check_plan(plan, root)
+    spec_text = (root / "spec.yaml").read_text() if (root / "spec.yaml").is_file() else None
+    if table is None:
+        table, source = pd.DataFrame(columns=["label", "seed", "status", "is_baseline", "task"]), "plan.json only"
+    has_sweep = "sweep" in table and table["sweep"].notna().any()
+    sweep = plan.get("sweep") or (str(table["sweep"].dropna().iloc[0]) if has_sweep else root.name)
+    table = _add_planned(_normalise(table), plan, sweep)
     for col in [c for c in table.columns if c.startswith("axis.")]:
         table[col] = table[col].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
     table["seed"] = pd.to_numeric(table["seed"], errors="coerce").astype("Int64")
     table = _coerce_numeric(table)
-    table = _add_ppl_at_2x(table, plan)
     return SweepResults(root=root, table=table.reset_index(drop=True), plan=plan, spec_text=spec_text, source=source)

@@ -2,223 +2,51 @@
 
 Two comparisons:
 
-* numbers: each of our measurements (a sweep's baseline and best variant, recorded single runs) filed under
-  a `match` key (`tinyshakespeare:loss`, `multi30k:de-en:bleu`, `glue:qnli:accuracy`, ...) beside the
+* numbers: each of our measurements (a sweep's baseline and best variant, recorded runs; see measure.py) filed
+  under a `match` key (`tinyshakespeare:loss`, `multi30k:de-en:bleu`, `glue:qnli:accuracy`, ...) beside the
   published rows with that key. A pair is *comparable* only when the metric variant (`variant_key`: scorer,
-  tokenization, casing, unit) and the split are the same; otherwise the row says what differs. Model size
+  tokenization, casing, unit), the split and the model variant (`model_variant`: trained from scratch, pretrained
+  with MLM + NSP or MLM only, randomly initialised) are the same; otherwise the row says what differs. Model size
   (and training compute, where the publication gives it) is stated as a ratio.
-* effects: for each published ablation effect whose axis the sweep varies, our paired difference (same
-  seeds) beside the published direction: agree / disagree / inconclusive (our interval contains zero).
-  Published 'no difference' effects read 'consistent' when our interval contains zero.
+* effects: for each published ablation effect whose axis the sweep varies, our paired difference (same seeds)
+  beside the published direction: agree / disagree / inconclusive (our interval contains zero); 'consistent' where
+  the publication reports no clear difference and our interval contains zero; 'by construction' where our metric is
+  a cost computed from the config (a KV-cache difference is the definition of MQA, not evidence about it). Each
+  tested effect also has its paired t-test p-value, a Holm-adjusted verdict over all effects tested in the report,
+  and the smallest difference its seeds could have detected.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
-from study.report.collect import SweepResults, flatten_metrics, metric_column, metric_direction
+from study.report.collect import AT_2X, SPLIT_WORDS, Declaration, SweepResults, at_2x_column, metric_column
 from study.report.markdown import Doc, fmt
+from study.report.measure import (  # noqa: F401  (re-exported: the comparison's public names)
+    GLUE_METRICS,
+    GLUE_TASKS,
+    Measurement,
+    dataset_key,
+    glue_columns,
+    load_run,
+    model_variant_words,
+    run_measurements,
+    sacrebleu_variant,
+    sweep_measurements,
+)
 from study.report.published import load_effects, load_published
-from study.report.stats import mean_ci, paired_difference
+from study.report.stats import ALPHA, POWER, holm_adjust, paired_difference
 
-# -- mapping our metric columns to the published `match` keys ----------------------------------------------------
-DATASET_KEYS = {"tinyshakespeare": "tinyshakespeare", "shakespeare": "tinyshakespeare", "wikitext2": "wikitext2",
-                "wikitext103": "wikitext103", "multi30k": "multi30k", "wmt14": "wmt14", "newstest2014": "wmt14",
-                "iwslt14": "iwslt14", "glue": "glue"}
-TOKEN_UNITS = {"char": "char", "character": "char", "word": "word", "bpe": "subword", "wordpiece": "subword",
-               "unigram": "subword"}
-GLUE_TASKS = {"mnli": "mnli_m", "mnli_m": "mnli_m", "mnli-m": "mnli_m", "mnli_matched": "mnli_m", "mnlim": "mnli_m",
-              "mnli_mm": "mnli_mm", "mnli-mm": "mnli_mm", "mnli_mismatched": "mnli_mm", "sst2": "sst2", "sst-2": "sst2",
-              "sst": "sst2", "stsb": "stsb", "sts-b": "stsb", "cola": "cola", "mrpc": "mrpc", "qqp": "qqp",
-              "qnli": "qnli", "rte": "rte", "wnli": "wnli", "average": "average", "score": "average"}
-GLUE_METRICS = {"accuracy": "accuracy", "acc": "accuracy", "f1": "f1", "mcc": "mcc", "matthews": "mcc",
-                "matthews_correlation": "mcc", "matthews_corr": "mcc", "spearman": "spearman", "spearmanr": "spearman",
-                "pearson": "pearson", "score": "score"}
-GLUE_COLUMN = re.compile(r"^metric\.(?:glue\.)?(?:test_sets\.|tasks\.)?(?P<task>[a-z0-9_\-]+?)[./]"
-                         r"(?:mean\.)?(?P<metric>[a-z_]+)$")
-# study.tasks.glue flattens MNLI's two dev sets as `mnli/accuracy_m` and `mnli/accuracy_mm`
-SPLIT_SUFFIX = {"_m": "mnli_m", "_mm": "mnli_mm"}
+BY_CONSTRUCTION = "by construction"
+COUNTED = ("agree", "disagree")  # the verdicts that claim something, and that Holm's correction may withdraw
 
 
-def dataset_key(name: Any) -> str:
-    text = re.sub(r"[^a-z0-9]", "", str(name or "").lower())
-    for k, v in DATASET_KEYS.items():
-        if text.startswith(k.replace("-", "")):
-            return v
-    return text or "unknown"
-
-
-def glue_columns(columns) -> dict[str, str]:
-    """Our GLUE metric columns by match key: 'metric.qnli.accuracy' / 'metric.glue.qnli.acc' /
-    'metric.test_sets.sst-2.accuracy' -> 'glue:qnli:accuracy' ... (the mapping this module owns)."""
-    out = {}
-    for col in columns:
-        m = GLUE_COLUMN.match(str(col).lower())
-        if not m or m["task"] not in GLUE_TASKS or m["metric"].endswith("_std"):
-            continue
-        task, metric = GLUE_TASKS[m["task"]], m["metric"]
-        for suffix, split_task in SPLIT_SUFFIX.items():
-            if task.startswith("mnli") and metric.endswith(suffix) and metric[: -len(suffix)] in GLUE_METRICS:
-                task, metric = split_task, metric[: -len(suffix)]
-        if metric in GLUE_METRICS:
-            out.setdefault(f"glue:{task}:{GLUE_METRICS[metric]}", col)
-    return out
-
-
-def sacrebleu_variant(signature: str | None) -> tuple[str, str]:
-    """(variant_key, words) from a sacreBLEU signature such as 'nrefs:1|case:mixed|eff:no|tok:13a|...'."""
-    if not signature or not isinstance(signature, str):
-        return "sacrebleu:unspecified", "sacreBLEU (signature not recorded)"
-    parts = dict(p.split(":", 1) for p in signature.split("|") if ":" in p)
-    tok, case = parts.get("tok", "?"), parts.get("case", "?")
-    cased = "cased" if case == "mixed" else "lowercased" if case == "lc" else case
-    return f"sacrebleu:{tok}:{cased}", f"sacreBLEU on detokenized output, {signature}"
-
-
-@dataclass
-class Measurement:
-    source: str        # 'sweep <name>: <label>' or 'run <label>'
-    key: str           # published `match` key
-    split: str
-    metric: str        # our column
-    variant_key: str
-    variant_words: str
-    values: list[float]
-    params: float = math.nan
-    train_flops: float = math.nan
-
-    @property
-    def interval(self):
-        return mean_ci(self.values)
-
-
-def measurements_from_rows(source: str, rows: pd.DataFrame, task_cfg: dict, task: str,
-                           dataset: str) -> list[Measurement]:
-    """What one variant (rows: its completed trials) or one run (one row) measured, filed by match key."""
-    out: list[Measurement] = []
-    dk = dataset_key(dataset)
-    params = float(pd.to_numeric(rows.get("cost.parameters", pd.Series(dtype=float)), errors="coerce").mean())
-    flops = pd.to_numeric(rows.get("train_tokens", pd.Series(dtype=float)), errors="coerce") * \
-        pd.to_numeric(rows.get("cost.train_flops_per_token", pd.Series(dtype=float)), errors="coerce")
-    flops = float(flops.mean()) if len(flops) else math.nan
-
-    def add(key, split, col, vkey, words, percent=False):
-        if col in rows:
-            vals = [float(v) for v in pd.to_numeric(rows[col], errors="coerce") if pd.notna(v) and math.isfinite(v)]
-            if percent and vals and all(-1 <= v <= 1 for v in vals):  # fractions -> the papers' 0-100 scale
-                vals, words = [100 * v for v in vals], words + " (fraction × 100)"
-            if vals:
-                out.append(Measurement(source, key, split, col, vkey, words, vals, params, flops))
-
-    if task in ("lm", "pretrain"):
-        unit = TOKEN_UNITS.get(str(task_cfg.get("tokenizer", "")).lower(), str(task_cfg.get("tokenizer") or "token"))
-        for split, prefix in (("validation", "valid"), ("test", "test")):
-            add(f"{dk}:loss", split, f"metric.{prefix}_loss", f"xent-nats:{unit}",
-                f"cross-entropy in nats per {unit} token")
-            add(f"{dk}:ppl", split, f"metric.{prefix}_ppl", f"ppl:{unit}:nonoverlapping",
-                f"{unit}-level perplexity over non-overlapping windows")
-    if task == "translation":
-        pair = f"{task_cfg.get('src_lang', '?')}-{task_cfg.get('tgt_lang', '?')}"
-        sets = sorted({c.split(".")[2] for c in rows.columns
-                       if c.startswith("metric.test_sets.") and c.endswith(".bleu")})
-        for s in sets:
-            sig = rows.get(f"metric.test_sets.{s}.bleu_signature")
-            sig = next((x for x in sig if isinstance(x, str) and x), None) if sig is not None else None
-            vkey, words = sacrebleu_variant(sig)
-            add(f"{dk}:{pair}:bleu", s, f"metric.test_sets.{s}.bleu", vkey, words)
-        if not sets:
-            add(f"{dk}:{pair}:bleu", "test", "metric.bleu", "sacrebleu:unspecified", "BLEU (scorer not recorded)")
-    for key, col in glue_columns(rows.columns).items():
-        metric = key.rsplit(":", 1)[1]
-        add(key, "dev", col, f"glue:{metric}:dev", f"{metric} on the dev set", percent=True)
-    return out
-
-
-def sweep_measurements(results: SweepResults) -> list[Measurement]:
-    """For each task: the baseline and the best variant by the primary metric (mean over seeds)."""
-    out = []
-    for task in results.tasks:
-        done = results.completed(task)
-        if done.empty:
-            continue
-        metric, direction = results.objective(task)
-        col = metric_column(metric)
-        means = done.groupby("label")[col].mean().dropna() if col in done else pd.Series(dtype=float)
-        picks = [results.baseline_label]
-        if len(means):
-            best = means.idxmin() if direction == "minimize" else means.idxmax()
-            if best not in picks:
-                picks.append(best)
-        for label in picks:
-            rows = done[done["label"] == label]
-            if rows.empty:
-                continue
-            cfg = results.point_config(label).get("task") or {}
-            dataset = rows["dataset"].dropna().iloc[0] if rows["dataset"].notna().any() else cfg.get("dataset")
-            kind = ("" if label == "baseline" else " (baseline)" if label == results.baseline_label
-                    else " (best variant)")
-            out += measurements_from_rows(f"sweep {results.sweep}: {label}{kind}", rows, cfg, task, dataset)
-    return out
-
-
-def load_run(path: str | Path) -> tuple[str, pd.DataFrame, dict] | None:
-    """A recorded run (bench/results/run-*.json) or a run directory (metrics.json + config.yaml), as
-    (label, one-row table, config); None when it holds neither."""
-    path = Path(path)
-    if path.is_dir():
-        if not (path / "metrics.json").is_file():
-            return None
-        metrics = json.loads((path / "metrics.json").read_text())
-        config = {}
-        if (path / "config.yaml").is_file():
-            import yaml
-
-            config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-        label = config.get("name") or path.name
-    elif path.suffix == ".json" and path.is_file():
-        data = json.loads(path.read_text())
-        if "metrics" in data and isinstance(data["metrics"], dict) and "status" in data["metrics"]:
-            metrics, config, label = data["metrics"], data.get("config") or {}, data.get("label") or path.stem
-        elif "status" in data:
-            metrics, config, label = data, {}, path.stem
-        else:
-            return None
-    else:
-        return None
-    row = flatten_metrics(metrics)
-    row["seed"] = (config.get("train") or {}).get("seed", 0)
-    table = pd.DataFrame([row])
-    for col in table.columns:
-        if col.startswith(("metric.", "cost.")) and not col.endswith("signature"):
-            table[col] = pd.to_numeric(table[col], errors="coerce") if table[col].map(
-                lambda v: not isinstance(v, str) or v.replace(".", "", 1).isdigit()).all() else table[col]
-    return label, table, config
-
-
-def run_measurements(paths: list[str | Path]) -> list[Measurement]:
-    out = []
-    for p in paths:
-        loaded = load_run(p)
-        if loaded is None:
-            continue
-        label, table, config = loaded
-        if str(table.get("status", pd.Series(["completed"])).iloc[0]) != "completed":
-            continue
-        task_cfg = config.get("task") or {}
-        out += measurements_from_rows(f"run {label} (one seed)", table, task_cfg, task_cfg.get("name", "lm"),
-                                      task_cfg.get("dataset", label))
-    return out
-
-
-# -- comparisons ---------------------------------------------------------------------------------------------------
+# -- numbers -------------------------------------------------------------------------------------------------------
 def _ratio(ours: float, theirs: float) -> str:
     if not (math.isfinite(ours) and math.isfinite(theirs)) or ours <= 0 or theirs <= 0:
         return "unknown"
@@ -226,23 +54,34 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"{r:.3g}×" if r >= 1 else f"1/{1 / r:.3g}"
 
 
+def _same_model_variant(m: Measurement, pub: pd.Series) -> bool:
+    theirs = str(pub.get("model_variant", "") or "")
+    return not theirs or m.model_variant == theirs
+
+
 def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
-    """(comparable, sentence): comparable only when the metric variant and the split are the same."""
+    """(comparable, sentence): comparable only when the metric variant, the split and the model variant (where
+    the published row states one) are the same; otherwise every difference is named."""
     same_variant = m.variant_key == pub["variant_key"]
     same_split = m.split.lower() == str(pub["split"]).lower()
+    same_model = _same_model_variant(m, pub)
     parts = []
+    if not same_model:
+        parts.append(f"different model variant (ours: {model_variant_words(m.model_variant)}; published: "
+                     f"{model_variant_words(str(pub['model_variant']))})")
     if not same_variant:
         parts.append(f"different metric variant (ours: {m.variant_words}; published: {pub['metric_variant']})")
     if not same_split:
         parts.append(f"different split (ours: {m.split}; published: {pub['split']})")
+    comparable = same_variant and same_split and same_model
+    notes = []
     if "community" in str(pub["verification"]).lower():
-        parts.append("community result, not a peer-reviewed number")
+        notes.append("community result, not a peer-reviewed number")
     elif "secondary" in str(pub["verification"]).lower():
-        parts.append("published number from a secondary transcription")
-    comparable = same_variant and same_split
-    head = "same metric variant and split" if comparable else "NOT directly comparable: " + "; ".join(parts[:2])
-    extra = parts[2:] if not comparable else parts
-    return comparable, head + ("; " + "; ".join(extra) if extra else "")
+        notes.append("published number from a secondary transcription")
+    head = ("same metric variant, split and model variant" if comparable
+            else "NOT directly comparable: " + "; ".join(parts))
+    return comparable, head + ("; " + "; ".join(notes) if notes else "")
 
 
 def compare_numbers(measurements: list[Measurement], published: pd.DataFrame) -> pd.DataFrame:
@@ -260,25 +99,31 @@ def compare_numbers(measurements: list[Measurement], published: pd.DataFrame) ->
             pub_flops = pub["train_flops"] if pd.notna(pub["train_flops"]) else math.nan
             rows.append({
                 "ours": m.source, "key": m.key, "split": m.split, "metric": m.metric,
-                "our_mean": ci.mean, "our_ci_lo": ci.lo, "our_ci_hi": ci.hi, "our_n": ci.n,
+                "our_mean": ci.mean, "our_ci_lo": ci.lo, "our_ci_hi": ci.hi, "our_n": ci.n, "our_sd": ci.sd,
                 "our_metric_variant": m.variant_words, "our_variant_key": m.variant_key,
+                "our_model_variant": m.model_variant, "our_note": m.note,
                 "published": pub["value"], "published_printed": pub["value_printed"], "published_id": pub["id"],
                 "citation": f"{pub['citation']}, {pub['table']}", "published_model": pub["model"],
+                "published_model_variant": pub.get("model_variant", ""),
                 "published_split": pub["split"], "published_metric_variant": pub["metric_variant"],
                 "published_variant_key": pub["variant_key"], "verification": pub["verification"],
                 "same_metric_variant": m.variant_key == pub["variant_key"],
-                "same_split": m.split.lower() == str(pub["split"]).lower(), "comparable": comparable,
+                "same_split": m.split.lower() == str(pub["split"]).lower(),
+                "same_model_variant": _same_model_variant(m, pub), "comparable": comparable,
                 "comparability": text, "size_ratio": _ratio(m.params, pub_params),
                 "compute_ratio": _ratio(m.train_flops, pub_flops) if math.isfinite(pub_flops) else "not published",
             })
     return pd.DataFrame(rows)
 
 
+# -- effects -------------------------------------------------------------------------------------------------------
 def _effect_verdict(published: str, ours: str) -> str:
     if ours in ("no pairs", "not run"):
         return "not run"
     if ours == "not measured":
         return "not measured"
+    if ours == "direction not declared":
+        return "not compared (direction not declared)"
     if ours.startswith("no CI"):
         return "no CI (n=1)"
     if published == "same":
@@ -288,22 +133,126 @@ def _effect_verdict(published: str, ours: str) -> str:
     return "agree" if ours == published else "disagree"
 
 
-def resolve_metric(results: SweepResults, name: str, task: str) -> tuple[str | None, str]:
-    """Our column and direction for an effect's `our_metric` ('objective', 'test_ppl_at_2x',
-    'cost.train_tokens_per_s', 'glue.qnli.accuracy', ...)."""
+def holm_verdict(published: str, verdict: str, holm_p: float) -> str:
+    """The verdict after Holm's correction: an agree/disagree whose adjusted p-value is not below 0.05 is withdrawn
+    (inconclusive; 'consistent' where the publication reports no difference); other verdicts stand."""
+    if verdict not in COUNTED or (math.isfinite(holm_p) and holm_p < ALPHA):
+        return verdict
+    return "consistent" if published == "same" else "inconclusive"
+
+
+def resolve_metric(results: SweepResults, name: str, task: str) -> tuple[str | None, Declaration | None]:
+    """Our column for an effect's `our_metric` and its declaration: 'objective' (the declared objective),
+    'ppl_at_2x' (whichever `<split>_ppl_at_2x` the sweep has: Tiny Shakespeare's validation, WikiText-2's test), a
+    metric name ('SST-2/accuracy') or a cost ('cost.kv_cache_bytes_per_token'). (None, ...) when the sweep lacks
+    it; (column, None) when nothing declares it."""
     if name == "objective":
-        metric, direction = results.objective(task)
-        return metric_column(metric), direction
-    col = metric_column(name)
-    if col in results.table:
-        return col, metric_direction(col)
-    if name.startswith("glue."):
+        metric, _ = results.objective(task)
+        return metric_column(metric), results.declaration(metric, task)
+    if name == "ppl_at_2x":
+        col = at_2x_column(results.completed(task)) or at_2x_column(results.table)
+        return col, results.declaration(col, task) if col else None
+    if name.startswith("glue."):  # glue.<task>.<metric>: the match-key spelling
         parts = name.split(".")
         key = f"glue:{GLUE_TASKS.get(parts[1], parts[1])}:{GLUE_METRICS.get(parts[2], parts[2])}"
-        found = glue_columns(results.table.columns).get(key)
-        if found:
-            return found, "maximize"
-    return None, metric_direction(col)
+        col = glue_columns(results.table.columns).get(key)
+        return col, results.declaration(col, task) if col else None
+    col = metric_column(name)
+    return (col if col in results.table else None), results.declaration(col, task)
+
+
+def _split_of(col: str | None) -> str:
+    """The split a column measures, as named: `valid_*` validation, `test_*` test, else ''."""
+    name = (col or "").removeprefix("metric.")
+    m = AT_2X.match(col or "")
+    prefix = m["split"] if m else name.split("_", 1)[0]
+    return SPLIT_WORDS.get(prefix, "") if prefix in ("valid", "test") else ""
+
+
+def _mean(done: pd.DataFrame, label: str, col: str) -> float:
+    vals = pd.to_numeric(done.loc[done["label"] == label, col], errors="coerce") if col in done else pd.Series([])
+    return float(vals.mean()) if vals.notna().any() else math.nan
+
+
+def _effect_notes(results: SweepResults, e: pd.Series, task: str, done: pd.DataFrame, base_label: str,
+                  split: str) -> str:
+    notes = []
+    if str(e["task"]) != task:
+        notes.append(f"published on {e['dataset']} ({e['task']}), ours on "
+                     f"{', '.join(map(str, done['dataset'].dropna().unique())) or task} ({task})")
+    if split:
+        notes.append(f"ours on the {split} split")
+    if results.stages:
+        notes.append(f"pairs are {results.stages[0]} seeds (trials of the study in stages "
+                     f"{' → '.join(results.stages)})")
+    pub_params = e["params_m"] * 1e6 if pd.notna(e["params_m"]) else math.nan
+    notes.append(f"model size ratio ours/published {_ratio(_mean(done, base_label, 'cost.parameters'), pub_params)}")
+    if str(e.get("note", "")).strip():
+        notes.append(str(e["note"]))
+    return "; ".join(notes)
+
+
+def _power_columns(e: pd.Series, spec: Declaration | None, d) -> dict:
+    """The minimum detectable difference and whether the published effect exceeds it (only where the published
+    effect is in our units: effects.csv's units_match_ours, and our metric declared on 0-100)."""
+    mde = d.mde if d is not None else math.nan
+    published_effect = float(e["published_variant"]) - float(e["published_baseline"]) \
+        if pd.notna(e["published_variant"]) and pd.notna(e["published_baseline"]) else math.nan
+    same_units = str(e.get("units_match_ours", "")) == "yes" and spec is not None and spec.scale.startswith("0-100")
+    detectable = ("yes" if abs(published_effect) >= mde else "no") if same_units and math.isfinite(mde) \
+        and math.isfinite(published_effect) else ""
+    return {"published_effect": published_effect, "our_mde": mde, "same_units": same_units,
+            "published_effect_detectable": detectable}
+
+
+def _effect_row(results: SweepResults, e: pd.Series, base_label: str, var_label: str) -> dict:
+    """One tested effect: our paired difference on the declared metric beside the published direction."""
+    task = results.table.loc[results.table["label"] == var_label, "task"].dropna()
+    task = str(task.iloc[0]) if len(task) else results.tasks[0]
+    col, spec = resolve_metric(results, e["our_metric"], task)
+    done = results.completed(task)
+    d = None
+    if col is None or col not in done:
+        ours = "not measured"
+    elif spec is None:
+        ours = "direction not declared"
+    else:
+        d = paired_difference(done, col, var_label, base_label, spec.direction)
+        ours = d.verdict
+    constructed = spec is not None and spec.by_construction and d is not None and d.diff.n > 0
+    split = _split_of(col)
+    return {
+        "effect_id": e["effect_id"], "axis": e["axis"], "baseline": e["baseline"], "variant": e["variant"],
+        "citation": f"{e['citation']}, {e['table']}", "published_metric": e["published_metric"],
+        "published_baseline": e["published_baseline"], "published_variant": e["published_variant"],
+        "published_direction": e["published_direction"], "published_magnitude": e["magnitude"],
+        "published_evidence": e.get("evidence", ""),
+        "our_metric": (col or e["our_metric"]).removeprefix("metric."), "our_split": split,
+        "our_scale": spec.scale if spec else "", "our_direction_rule": spec.direction if spec else "not declared",
+        "our_baseline_label": base_label, "our_variant_label": var_label,
+        "our_n_pairs": d.diff.n if d else 0, "our_diff": d.diff.mean if d else math.nan,
+        "our_ci_lo": d.diff.lo if d else math.nan, "our_ci_hi": d.diff.hi if d else math.nan,
+        "our_sd": d.diff.sd if d else math.nan,
+        "our_ratio": _ratio(_mean(done, var_label, col), _mean(done, base_label, col)) if constructed else "",
+        "p_value": d.p_value if d is not None and not constructed else math.nan,
+        **_power_columns(e, spec, d),
+        "our_direction": ours,
+        "verdict": BY_CONSTRUCTION if constructed else _effect_verdict(e["published_direction"], ours),
+        "comparability": _effect_notes(results, e, task, done, base_label, split),
+    }
+
+
+def add_holm(tested: pd.DataFrame) -> pd.DataFrame:
+    """Holm-adjusted p-values and verdicts over every effect of the report with a p-value (two or more pairs, a
+    declared direction, not by construction): the family of tests this report makes."""
+    if tested.empty:
+        return tested
+    tested = tested.copy()
+    tested["holm_p"] = holm_adjust(tested["p_value"].tolist())
+    tested["holm_family"] = int(tested["p_value"].notna().sum())
+    tested["holm_verdict"] = [holm_verdict(r["published_direction"], r["verdict"], r["holm_p"])
+                              for _, r in tested.iterrows()]
+    return tested
 
 
 def compare_effects(results: SweepResults, effects: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -319,42 +268,8 @@ def compare_effects(results: SweepResults, effects: pd.DataFrame) -> tuple[pd.Da
             untested.append({"effect_id": e["effect_id"], "axis": e["axis"], "baseline": e["baseline"],
                              "variant": e["variant"], "citation": f"{e['citation']}, {e['table']}", "reason": why})
             continue
-        task = results.table.loc[results.table["label"] == var_label, "task"].dropna()
-        task = str(task.iloc[0]) if len(task) else results.tasks[0]
-        col, direction = resolve_metric(results, e["our_metric"], task)
-        done = results.completed(task)
-        if col is None or col not in done:
-            d = None
-            ours = "not measured"
-        else:
-            d = paired_difference(done, col, var_label, base_label, direction)
-            ours = d.verdict
-        base_rows = done[done["label"] == base_label]
-        costs = base_rows.get("cost.parameters", pd.Series(dtype=float))
-        params = float(pd.to_numeric(costs, errors="coerce").mean()) if len(base_rows) else math.nan
-        pub_params = e["params_m"] * 1e6 if pd.notna(e["params_m"]) else math.nan
-        same_task = str(e["task"]) == task
-        notes = []
-        if not same_task:
-            notes.append(f"published on {e['dataset']} ({e['task']}), ours on "
-                         f"{', '.join(map(str, done['dataset'].dropna().unique())) or task} ({task})")
-        notes.append(f"model size ratio ours/published {_ratio(params, pub_params)}")
-        if str(e.get("note", "")).strip():
-            notes.append(str(e["note"]))
-        tested.append({
-            "effect_id": e["effect_id"], "axis": e["axis"], "baseline": e["baseline"], "variant": e["variant"],
-            "citation": f"{e['citation']}, {e['table']}", "published_metric": e["published_metric"],
-            "published_baseline": e["published_baseline"], "published_variant": e["published_variant"],
-            "published_direction": e["published_direction"], "published_magnitude": e["magnitude"],
-            "published_evidence": e.get("evidence", ""),
-            "our_metric": (col or e["our_metric"]).removeprefix("metric."), "our_direction_rule": direction,
-            "our_baseline_label": base_label, "our_variant_label": var_label,
-            "our_n_pairs": d.diff.n if d else 0, "our_diff": d.diff.mean if d else math.nan,
-            "our_ci_lo": d.diff.lo if d else math.nan, "our_ci_hi": d.diff.hi if d else math.nan,
-            "our_direction": ours, "verdict": _effect_verdict(e["published_direction"], ours),
-            "comparability": "; ".join(notes),
-        })
-    return pd.DataFrame(tested), pd.DataFrame(untested)
+        tested.append(_effect_row(results, e, base_label, var_label))
+    return add_holm(pd.DataFrame(tested)), pd.DataFrame(untested)
 
 
 # -- output ----------------------------------------------------------------------------------------------------------
@@ -371,86 +286,144 @@ def _ci_text(r) -> str:
 
 
 def _ours_text(r) -> str:
+    """Mean ± 95% half-width (n); one value has no interval: 'n=1, no CI', never ± 0."""
     if r["our_n"] == 0 or pd.isna(r["our_mean"]):
         return "–"
     if r["our_n"] == 1:
-        return f"{fmt(r['our_mean'])} (n=1)"
+        return f"{fmt(r['our_mean'])} (n=1, no CI)"
     return f"{fmt(r['our_mean'])} ± {fmt((r['our_ci_hi'] - r['our_ci_lo']) / 2)} (n={r['our_n']})"
 
 
+def _p_text(p: float) -> str:
+    return "–" if not math.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def _power_text(r) -> str:
+    """For an inconclusive (or consistent) effect: the smallest difference its seeds could have detected, and
+    whether the published effect (in the same units) exceeds it."""
+    if r["verdict"] not in ("inconclusive", "consistent") or not math.isfinite(r["our_mde"]):
+        return ""
+    text = f"smallest detectable difference {fmt(r['our_mde'])}" + (f" ({r['our_scale']})" if r["our_scale"] else "")
+    size = fmt(r["published_effect"], "signed")
+    if r["published_effect_detectable"] in ("yes", "no"):
+        could = "could" if r["published_effect_detectable"] == "yes" else "could not"
+        return text + f"; the seeds {could} have detected an effect of the published size ({size})"
+    return text + "; the published effect is in other units, so its size is not compared"
+
+
+def _ours_effect_text(r) -> str:
+    if r["our_direction"] == "not measured":
+        return f"not measured: this sweep has no `{r['our_metric']}`"
+    if r["verdict"] == BY_CONSTRUCTION:
+        return f"{r['our_direction']}: {r['our_metric']} variant/baseline {r['our_ratio']} (computed from the config)"
+    ours = "–" if pd.isna(r["our_diff"]) else fmt(r["our_diff"], "signed") + (
+        f" {_ci_text(r)}" if r["our_n_pairs"] >= 2 else " (n=1, no CI)")
+    return f"{r['our_direction']}: Δ {r['our_metric']} {ours}"
+
+
+def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
+    counts = effects["verdict"].value_counts()
+    family = int(effects["holm_family"].iloc[0]) if "holm_family" in effects else 0
+    doc.p("At a glance: " + ", ".join(f"**{n} {v}**" for v, n in counts.items()) + f" of {len(effects)} effects. "
+          "*agree*/*disagree*: our 95% interval of the paired difference (same seeds) excludes zero and has the "
+          "published sign / the opposite sign; *inconclusive*: our interval contains zero; *consistent*: the "
+          "publication reports no clear difference and our interval contains zero (which does not prove equality); "
+          f"*{BY_CONSTRUCTION}*: our metric is computed from the config by arithmetic, so its difference is the "
+          "definition of the variant, not evidence (shown with its ratio, never counted as agreement). Published "
+          "numbers are single runs without intervals unless stated.")
+    doc.p(f"**Multiplicity: {family} effects were tested here** (those with two or more seed pairs and a declared "
+          f"direction), each at 95%. Holm's step-down correction (Holm 1979) compares the smallest p-value with "
+          f"0.05/{family}, the next with 0.05/{max(family - 1, 1)}, and so on, stopping at the first that fails, so "
+          "the chance of any false agree/disagree among them stays at most 5%; the *Holm* column is the verdict "
+          "after it. For an inconclusive effect the details give the smallest difference the seeds could have "
+          f"detected ({POWER:.0%} power, two-sided α = 0.05, from the sd of the paired differences: "
+          "(t₀.₉₇₅,ₙ₋₁ + t₀.₈₀,ₙ₋₁) · sd / √n), and whether an effect of the published size exceeds it where the "
+          "published effect is in our units (GLUE dev metrics, points on 0-100).")
+    glance = [[f"{r['axis']}: {r['baseline']} → {r['variant']}", r["citation"], r["published_direction"],
+               _ours_effect_text(r), _p_text(r["p_value"]), f"**{r['verdict']}**", r["holm_verdict"]]
+              for _, r in effects.iterrows()]
+    doc.table(["effect", "citation", "published: variant is", "ours: variant is (Δ, 95% CI)", "p (paired t)",
+               "verdict (95%)", f"Holm (family of {family})"], glance, align="lllllll")
+    doc.h(3, "Details and comparability")
+    rows = []
+    for _, r in effects.iterrows():
+        ci = "–" if r["our_n_pairs"] < 2 else _ci_text(r)
+        rows.append([f"{r['axis']}: {r['baseline']} → {r['variant']}", r["citation"],
+                     f"{r['published_metric']}: {fmt(r['published_baseline'])} → {fmt(r['published_variant'])} "
+                     f"({r['published_magnitude']})", r["published_direction"],
+                     f"Δ {r['our_metric']} {fmt(r['our_diff'], 'signed')} {ci} (n={r['our_n_pairs']})"
+                     + (f" [{r['our_scale']}]" if r["our_scale"] else ""),
+                     f"**{r['verdict']}**", _power_text(r) or "–", r["comparability"]])
+    doc.table(["effect", "citation", "published", "published: variant is", "ours (95% CI, pairs)", "verdict",
+               "power", "comparability"], rows, align="llllllll")
+
+
+def _numbers_section(doc: Doc, numbers: pd.DataFrame, measurements_note: list[str]) -> None:
+    doc.h(2, "Our numbers beside published numbers")
+    for line in measurements_note:
+        doc.p(line)
+    if numbers.empty:
+        doc.p("None of our measurements shares a dataset and metric with a row of the published table.")
+        return
+    n_comp = int(numbers["comparable"].sum())
+    doc.p(f"{len(numbers)} pairs; {n_comp} directly comparable (same metric variant, split and model variant: "
+          "trained from scratch, pretrained with MLM + NSP or MLM only, or randomly initialised). Every other row "
+          "says what differs and is shown for orientation only. n counts what varies in our runs, as each source "
+          "says (seeds; a GLUE record's fine-tuning seeds); one value has no interval.")
+    rows = []
+    for _, r in numbers.iterrows():
+        rows.append([r["ours"], f"{r['key']} ({r['split']})", _ours_text(r), f"{r['published_printed']}",
+                     f"{r['published_model']}: {r['citation']}", "yes" if r["comparable"] else "**no**",
+                     r["comparability"] + (f" ({r['our_note']})" if r["our_note"] else ""), r["size_ratio"],
+                     r["compute_ratio"]])
+    doc.table(["ours", "measure (split)", "ours (95% CI)", "published", "published model and source",
+               "comparable", "comparability", "size ours/published", "compute ours/published"],
+              rows, align="llrrlllll")
+
+
+def split_notes(measurements: list[Measurement]) -> list[str]:
+    """A sentence for each corpus whose records have a validation split but no test split (Tiny Shakespeare):
+    its numbers are validation numbers, and no test number is made up from them."""
+    splits: dict[str, set[str]] = {}
+    for m in measurements:
+        if m.key.endswith((":loss", ":ppl")):
+            splits.setdefault(m.key.split(":", 1)[0], set()).add(m.split)
+    return [f"`{k}`: our records have no test split (the corpus has none), so its numbers are on the validation "
+            "split and no test number is shown." for k, s in sorted(splits.items()) if s == {"validation"}]
+
+
 def build_compare_doc(results: SweepResults | None, numbers: pd.DataFrame, effects: pd.DataFrame,
-                      untested: pd.DataFrame, runs: list[str], generated: str | None = None) -> Doc:
+                      untested: pd.DataFrame, runs: list[str], generated: str | None = None,
+                      notes: list[str] = ()) -> Doc:
     doc = Doc()
     generated = generated or datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    title = f"Published results beside ours: {results.sweep}" if results else "Published results beside ours"
-    doc.h(1, title)
+    doc.h(1, f"Published results beside ours: {results.sweep}" if results else "Published results beside ours")
     sources = ([f"sweep `{results.root}` ({results.source})"] if results else []) + [f"run `{r}`" for r in runs]
     doc.p(f"Generated by `study compare` on {generated} from " + (", ".join(sources) or "no results") +
           " and the published table shipped in `study/report/published.csv` (citations per row). "
-          "Nothing here is written by hand.")
+          "Nothing here is written by hand. Directions and scales are the task families' declarations.")
     if results is not None and results.is_partial:
         from study.report.markdown import status_sentence
 
         doc.note(f"**Partial results: the sweep is still running or incomplete.** {status_sentence(results)}.")
-
     doc.h(2, "Published effects: reproduced or not")
     if effects.empty:
         doc.p("No published effect in the shipped table concerns an axis this sweep varies.")
     else:
-        counts = effects["verdict"].value_counts()
-        doc.p("At a glance: " + ", ".join(f"**{n} {v}**" for v, n in counts.items()) + f" of {len(effects)} effects "
-              "tested. *agree*/*disagree*: our 95% interval of the paired difference (same seeds) excludes zero and "
-              "has the published sign / the opposite sign; *inconclusive*: our interval contains zero; *consistent*: "
-              "the publication reports no clear difference and our interval contains zero (which does not prove "
-              "equality). Published numbers are single runs without intervals unless stated.")
-        glance = []
-        for _, r in effects.iterrows():
-            ours = "–" if pd.isna(r["our_diff"]) else fmt(r["our_diff"], "signed") + (
-                f" {_ci_text(r)}" if r["our_n_pairs"] >= 2 else " (n=1)")
-            glance.append([f"{r['axis']}: {r['baseline']} → {r['variant']}", r["citation"], r["published_direction"],
-                           f"{r['our_direction']}: Δ {r['our_metric']} {ours}", f"**{r['verdict']}**"])
-        doc.table(["effect", "citation", "published: variant is", "ours: variant is (Δ, 95% CI)", "verdict"], glance,
-                  align="lllll")
-        doc.h(3, "Details and comparability")
-        rows = []
-        for _, r in effects.iterrows():
-            ci = "–" if r["our_n_pairs"] < 2 else _ci_text(r)
-            rows.append([f"{r['axis']}: {r['baseline']} → {r['variant']}", r["citation"],
-                         f"{r['published_metric']}: {fmt(r['published_baseline'])} → {fmt(r['published_variant'])} "
-                         f"({r['published_magnitude']})", r["published_direction"],
-                         f"Δ {r['our_metric']} {fmt(r['our_diff'], 'signed')} {ci} (n={r['our_n_pairs']})",
-                         r["our_direction"], f"**{r['verdict']}**", r["comparability"]])
-        doc.table(["effect", "citation", "published", "published: variant is", "ours (95% CI, pairs)",
-                   "ours: variant is", "verdict", "comparability"], rows, align="llllllll")
+        _effects_section(doc, effects)
     if not untested.empty:
         doc.h(3, "Published effects this sweep does not test")
         lines = [f"{r['axis']}: {r['baseline']} → {r['variant']} ({r['citation']}): {r['reason']}"
                  for _, r in untested.iterrows()]
         doc.ul(list(dict.fromkeys(lines)))
-
-    doc.h(2, "Our numbers beside published numbers")
-    if numbers.empty:
-        doc.p("None of our measurements shares a dataset and metric with a row of the published table.")
-    else:
-        n_comp = int(numbers["comparable"].sum())
-        doc.p(f"{len(numbers)} pairs; {n_comp} directly comparable (same metric variant and split). Every other row "
-              "says what differs; a number from a different metric variant is shown for orientation only.")
-        rows = []
-        for _, r in numbers.iterrows():
-            rows.append([r["ours"], f"{r['key']} ({r['split']})", _ours_text(r),
-                         f"{r['published_printed']}", f"{r['published_model']}: {r['citation']}",
-                         "yes" if r["comparable"] else "**no**", r["comparability"], r["size_ratio"],
-                         r["compute_ratio"]])
-        doc.table(["ours", "measure (split)", "ours (95% CI)", "published", "published model and source",
-                   "comparable", "comparability", "size ours/published", "compute ours/published"],
-                  rows, align="llrrllll" + "l")
+    _numbers_section(doc, numbers, list(notes))
     return doc
 
 
 def run_compare(results: SweepResults | None, out: str | Path, runs: list[str | Path] = (),
                 published: pd.DataFrame | None = None, effects: pd.DataFrame | None = None,
                 generated: str | None = None) -> Comparison:
-    """Write <out>/compare.md, compare.csv (numbers) and compare_effects.csv (effects)."""
+    """Write <out>/compare.md, compare.html, compare.csv (numbers) and compare_effects.csv (effects)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     published = load_published() if published is None else published
@@ -459,7 +432,8 @@ def run_compare(results: SweepResults | None, out: str | Path, runs: list[str | 
     numbers = compare_numbers(measurements, published)
     tested, untested = (compare_effects(results, effects_table) if results is not None
                         else (pd.DataFrame(), pd.DataFrame()))
-    doc = build_compare_doc(results, numbers, tested, untested, [str(r) for r in runs], generated)
+    doc = build_compare_doc(results, numbers, tested, untested, [str(r) for r in runs], generated,
+                            split_notes(measurements))
     md = out / "compare.md"
     md.write_text(doc.to_markdown())
     (out / "compare.html").write_text(doc.to_html("Published results beside ours"))

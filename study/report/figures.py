@@ -19,31 +19,36 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from study.report.collect import BY_LENGTH, SweepResults, metric_column
+from study.record import COSTS as RECORD_COSTS
+from study.report.collect import SPLIT_WORDS, SweepResults, by_length_columns, metric_column
 from study.report.stats import mean_ci, pareto_front, summarize
 
-METRIC_LABELS = {
-    "valid_loss": "validation loss (nats/token)",
-    "test_loss": "test loss (nats/token)",
-    "valid_ppl": "validation perplexity",
-    "test_ppl": "test perplexity",
-    "test_ppl_at_2x": "test perplexity at 2× training length",
-    "bleu": "BLEU (sacreBLEU, detokenized)",
-    "chrf": "chrF",
-}
-COSTS = (  # column, axis label, better
-    ("cost.train_tokens_per_s", "training throughput (tokens/s)", "higher"),
-    ("cost.parameters", "parameters", "lower"),
-    ("cost.kv_cache_bytes_per_token", "KV cache (bytes/token)", "lower"),
+COSTS = (  # column, axis label, better (from study.record.COSTS' declared direction)
+    ("cost.train_tokens_per_s", "training throughput"),
+    ("cost.parameters", "parameters"),
+    ("cost.kv_cache_bytes_per_token", "KV cache"),
 )
 BASELINE_COLOUR = (0.15, 0.15, 0.15)
 
 
-def metric_label(metric: str) -> str:
+def metric_label(metric: str, scale: str | None = None) -> str:
+    """An axis label: the metric's name with its declared scale ('valid_loss (nats/token)')."""
     name = metric.split(".", 1)[1] if metric.startswith("metric.") else metric
-    if name in METRIC_LABELS:
-        return METRIC_LABELS[name]
-    return name.replace("_", " ").replace(".", " / ")
+    return f"{name} ({scale})" if scale else name
+
+
+def cost_axis(cost: str, label: str) -> tuple[str, str]:
+    """(axis label with the declared unit, 'lower' | 'higher' is better) of a study.record.COSTS column."""
+    direction, unit, _ = RECORD_COSTS[cost.removeprefix("cost.")]
+    return f"{label} ({unit})", "lower" if direction == "minimize" else "higher"
+
+
+def curve_label(results: SweepResults, task: str, column: str) -> str:
+    """A curve column's axis label: the declared scale of the validation metric it logs (`val/mlm_loss` is
+    `valid_mlm_loss`), or the bare column when no metric of that name is declared (translation's loss)."""
+    stem = column.split("/", 1)[-1]
+    spec = results.declaration(f"valid_{stem}", task)
+    return f"{column} ({spec.scale})" if spec is not None else column
 
 
 def variant_palette(labels: list[str], baseline: str | None = None) -> dict[str, tuple]:
@@ -99,7 +104,8 @@ def _n_text(n: int) -> str:
 
 # -- 1. metric per variant with 95% CIs ----------------------------------------------------------------
 def plot_metric_by_variant(done: pd.DataFrame, variants: list[tuple[str, str]], metric_col: str, palette: dict,
-                           title: str, baseline: str | None = None, xlabel: str = "variant") -> Figure:
+                           title: str, baseline: str | None = None, xlabel: str = "variant",
+                           ylabel: str | None = None) -> Figure:
     """Per-seed points and the mean with its 95% t interval for each (tick, label) in `variants`.
     Variants without a completed trial keep their tick, marked 'no completed run'."""
     fig, (ax,) = _new(width=max(5.0, 1.1 * len(variants) + 2))
@@ -133,17 +139,17 @@ def plot_metric_by_variant(done: pd.DataFrame, variants: list[tuple[str, str]], 
     ax.margins(y=0.12)
     ax.set_xlim(-0.6, len(variants) - 0.4)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel(metric_label(metric_col))
+    ax.set_ylabel(ylabel or metric_label(metric_col))
     ax.set_title(f"{title}\nmean and 95% t interval over seeds; dots are single seeds", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     return _finish(fig, series)
 
 
 # -- 2. training and validation curves -----------------------------------------------------------------
-def _curve_frame(results: SweepResults, rows: pd.DataFrame, column: str) -> pd.DataFrame:
+def _curve_frame(results: SweepResults, rows: pd.DataFrame, column: str, stage: str | None = None) -> pd.DataFrame:
     parts = []
     for _, row in rows.iterrows():
-        log = results.curves(row)
+        log = results.curves(row, stage)
         if log is None or column not in log:
             continue
         c = log[["step", column]].dropna()
@@ -153,14 +159,18 @@ def _curve_frame(results: SweepResults, rows: pd.DataFrame, column: str) -> pd.D
 
 
 def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], palette: dict, title: str,
-                smooth: int = 5) -> Figure:
-    """Training (rolling mean over `smooth` logged points) and validation loss against step per variant:
-    the mean over seeds, with the range over seeds shaded."""
+                smooth: int = 5, task: str | None = None, stage: str | None = None) -> Figure:
+    """Training (rolling mean over `smooth` logged points) and validation curves against step per variant: the
+    columns the task declares comparable across its variants (pretraining: the MLM loss, so a model trained with
+    NSP is not drawn with its NSP loss added), the mean over seeds with the range over seeds shaded."""
+    task = task or (str(rows["task"].dropna().iloc[0]) if "task" in rows and rows["task"].notna().any()
+                    else results.tasks[0])
+    curves = results.curve_columns(task)
     fig, axes = _new(ncols=2, width=5.6)
     series = set()
-    for ax, column, name in zip(axes, ("train/loss", "val/loss"), ("training loss", "validation loss")):
-        frame = _curve_frame(results, rows, column)
-        if smooth > 1 and column == "train/loss" and len(frame):
+    for ax, column, name in zip(axes, (curves["train"], curves["valid"]), ("training", "validation")):
+        frame = _curve_frame(results, rows, column, stage)
+        if smooth > 1 and column == curves["train"] and len(frame):
             frame[column] = frame.groupby(["label", "seed"])[column].transform(
                 lambda s: s.rolling(smooth, min_periods=1).mean())
         for label in labels:
@@ -170,13 +180,13 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
             agg = sub.groupby("step")[column].agg(["mean", "min", "max", "count"]).reset_index()
             colour = palette.get(label, BASELINE_COLOUR)
             ax.plot(agg["step"], agg["mean"], color=colour, lw=1.6, label=f"{label} (n={sub['seed'].nunique()})",
-                    marker="o" if column == "val/loss" else None, ms=3)
+                    marker="o" if column == curves["valid"] else None, ms=3)
             ax.fill_between(agg["step"], agg["min"], agg["max"], color=colour, alpha=0.15, lw=0)
             series.add(label)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(f"{name} (nats/token)")
-        ax.set_title(name + (f" (rolling mean of {smooth} logs)" if column == "train/loss" and smooth > 1 else ""),
-                     fontsize=10)
+        ax.set_ylabel(curve_label(results, task, column))
+        ax.set_title(f"{name}: {column}" + (f" (rolling mean of {smooth} logs)" if column == curves["train"]
+                                            and smooth > 1 else ""), fontsize=10)
         ax.grid(alpha=0.3)
         if not len(frame):
             ax.text(0.5, 0.5, "no logged curves found", transform=ax.transAxes, ha="center", color="0.4")
@@ -186,18 +196,20 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
     if handles:
         axes[1].legend(handles, names, fontsize=7, loc="upper right")
     fig.suptitle(f"{title}\nmean over seeds; band: min to max over seeds", fontsize=10)
+    fig._study_columns = (curves["train"], curves["valid"])
     return _finish(fig, [lbl for lbl in labels if lbl in series])
 
 
 # -- 3. quality against cost with the Pareto front ------------------------------------------------------
 def plot_quality_vs_cost(done: pd.DataFrame, labels: list[str], metric_col: str, direction: str, palette: dict,
-                         title: str, baseline: str | None = None) -> Figure:
+                         title: str, baseline: str | None = None, ylabel: str | None = None) -> Figure:
     """Mean metric (95% t interval) against each cost per variant; the Pareto front (no variant is
     both cheaper and better) ringed and joined. Only the front and the baseline are named on the plot."""
     fig, axes = _new(ncols=len(COSTS), width=4.6, height=4.4)
     series = set()
     y_better = "lower" if direction == "minimize" else "higher"
-    for ax, (cost, cost_label, x_better) in zip(axes, COSTS):
+    for ax, (cost, name) in zip(axes, COSTS):
+        cost_label, x_better = cost_axis(cost, name)
         s = summarize(done, metric_col, order=labels, extra=[cost]) if metric_col in done else pd.DataFrame()
         if cost in done:
             xs = summarize(done, cost, order=labels)
@@ -226,7 +238,7 @@ def plot_quality_vs_cost(done: pd.DataFrame, labels: list[str], metric_col: str,
         if len(f) > 1:
             ax.plot(f["x"], f["mean"], color="black", lw=1, ls="--", zorder=2)
         ax.set_xlabel(f"{cost_label} ({x_better} is better)")
-        ax.set_ylabel(f"{metric_label(metric_col)} ({y_better} is better)")
+        ax.set_ylabel(f"{ylabel or metric_label(metric_col)} ({y_better} is better)")
         ax.grid(alpha=0.3)
         if cost in ("cost.parameters",) and s["x"].max() / max(s["x"].min(), 1) > 20:
             ax.set_xscale("log")
@@ -242,14 +254,15 @@ def plot_quality_vs_cost(done: pd.DataFrame, labels: list[str], metric_col: str,
 
 # -- 4. perplexity against evaluation length -------------------------------------------------------------
 def length_columns(table: pd.DataFrame) -> list[tuple[int, str]]:
-    return sorted((int(c[len(BY_LENGTH):]), c) for c in table.columns
-                  if c.startswith(BY_LENGTH) and c[len(BY_LENGTH):].isdigit())
+    """[(evaluation length, column)] of the `<split>_ppl_by_length.<L>` columns (the corpus's last split)."""
+    return by_length_columns(table)[1]
 
 
 def plot_extrapolation(done: pd.DataFrame, variants: list[tuple[str, str]], palette: dict, title: str,
                        train_len: int | None = None) -> Figure:
-    """Test perplexity against evaluation length per position scheme (mean, 95% t band); a scheme
-    that cannot run past its table (learned positions) stops where its values stop."""
+    """Perplexity on the corpus's last split (Tiny Shakespeare: validation; WikiText-2: test) against evaluation
+    length per position scheme (mean, 95% t band); a scheme that cannot run past its table (learned positions)
+    stops where its values stop."""
     fig, (ax,) = _new(width=6.8, height=4.6)
     cols = length_columns(done)
     series = []
@@ -277,7 +290,8 @@ def plot_extrapolation(done: pd.DataFrame, variants: list[tuple[str, str]], pale
         ax.set_xscale("log", base=2)
         ax.set_xticks([n for n, _ in cols], [str(n) for n, _ in cols])
     ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("test perplexity")
+    split = by_length_columns(done)[0]
+    ax.set_ylabel(f"{SPLIT_WORDS.get(split, split)} perplexity" if split else "perplexity")
     ax.set_title(f"{title}\nlength extrapolation: mean and 95% t band over seeds", fontsize=10)
     ax.grid(alpha=0.3)
     if series:
@@ -343,7 +357,8 @@ def plot_grad_norms(results: SweepResults, rows: pd.DataFrame, variants: list[tu
 
 # -- 6. heatmap for two-axis grids --------------------------------------------------------------------------
 def plot_heatmap(done: pd.DataFrame, axis_a: str, axis_b: str, values_a: list[str], values_b: list[str],
-                 metric_col: str, direction: str, title: str, other_axes: list[str] = ()) -> Figure:
+                 metric_col: str, direction: str, title: str, other_axes: list[str] = (),
+                 label: str | None = None) -> Figure:
     fig, (ax,) = _new(width=1.3 * len(values_b) + 3, height=0.9 * len(values_a) + 2.2)
     mean = pd.DataFrame(np.nan, index=values_a, columns=values_b)
     annot = pd.DataFrame("", index=values_a, columns=values_b)
@@ -359,7 +374,7 @@ def plot_heatmap(done: pd.DataFrame, axis_a: str, axis_b: str, values_a: list[st
                 annot.loc[a, b] = "no run"
     cmap = "rocket_r" if direction == "maximize" else "rocket"
     sns.heatmap(mean.astype(float), annot=annot, fmt="", cmap=cmap, ax=ax, linewidths=0.5, linecolor="white",
-                cbar_kws={"label": metric_label(metric_col)}, annot_kws={"fontsize": 7})
+                cbar_kws={"label": label or metric_label(metric_col)}, annot_kws={"fontsize": 7})
     ax.set_xlabel(axis_b)
     ax.set_ylabel(axis_a)
     note = f"; averaged over {', '.join(other_axes)}" if other_axes else ""
@@ -386,6 +401,99 @@ def save_figure(fig: Figure, directory: Path, name: str, formats=("png", "svg"))
 KINDS = ("metric", "curves", "cost", "extrapolation", "grad_norms", "heatmap")
 
 
+@dataclass
+class _TaskFigures:
+    """What every figure of one task needs: its trials, objective and its declared label, and where to save."""
+
+    results: SweepResults
+    task: str
+    palette: dict
+    emit: object  # emit(fig, name, title, kind, task, axis=None)
+
+    def __post_init__(self) -> None:
+        r, task = self.results, self.task
+        self.done = r.completed(task)
+        self.rows = r.table[(r.table["task"] == task) & r.table["status"].isin(("completed", "diverged"))]
+        self.name, self.direction = r.objective(task)
+        self.mcol = metric_column(self.name)
+        self.ylabel = metric_label(self.mcol, r.declared(self.name, task).scale)
+        dataset = r.datasets_for(task)
+        self.head = f"{r.sweep}: {task}" + (f" on {dataset}" if dataset else "")
+        self.prefix, self.labels, self.base = f"{task}-", r.labels_for(task), r.baseline_label
+        one_factor = {axis: r.axis_labels(axis) for axis in r.axes}
+        self.one_factor = {a: v for a, v in one_factor.items() if len(v) >= 2}
+
+    def metric(self) -> None:
+        fig = plot_metric_by_variant(self.done, [(lbl, lbl) for lbl in self.labels], self.mcol, self.palette,
+                                     f"{self.head}: every variant", baseline=self.base, ylabel=self.ylabel)
+        self.emit(fig, f"{self.prefix}{self.name}-all-variants", f"{self.name} for every variant", "metric",
+                  self.task)
+        for axis, variants in self.one_factor.items():
+            fig = plot_metric_by_variant(self.done, variants, self.mcol, self.palette, f"{self.head}: {axis}",
+                                         baseline=self.base, xlabel=axis, ylabel=self.ylabel)
+            self.emit(fig, f"{self.prefix}{self.name}-by-{axis}", f"{self.name} by {axis}", "metric", self.task,
+                      axis)
+
+    def curves(self) -> None:
+        """Per axis for one-factor slices, else all variants. A study in stages: each earlier stage's curves (the
+        curves its own task declares, e.g. pretraining's MLM loss); the last stage of a suite (GLUE) has one curve
+        per task and seed, none comparable across tasks, and is not drawn."""
+        groups = ({a: [lbl for _, lbl in v] for a, v in self.one_factor.items()} if self.results.design == "ofat"
+                  else {"all": self.labels[:12]})
+        stages = [(s, self.results.stage_tasks.get(s)) for s in self.results.stages[:-1]] or [(None, self.task)]
+        for stage, task in stages:
+            if task is None:
+                continue
+            where = f"{stage} stage " if stage else ""
+            for axis, group in groups.items():
+                fig = plot_curves(self.results, self.rows, group, self.palette,
+                                  f"{self.head}: {where}training curves, {axis}", task=task, stage=stage)
+                if fig._study_series:
+                    self.emit(fig, f"{self.prefix}{stage + '-' if stage else ''}curves-{axis}",
+                              f"{where}training and validation curves, {axis}", "curves", self.task, axis)
+
+    def cost(self) -> None:
+        fig = plot_quality_vs_cost(self.done, self.labels, self.mcol, self.direction, self.palette, self.head,
+                                   baseline=self.base, ylabel=self.ylabel)
+        self.emit(fig, f"{self.prefix}{self.name}-vs-cost", f"{self.name} against cost, Pareto front", "cost",
+                  self.task)
+
+    def extrapolation(self) -> None:
+        if not length_columns(self.done):
+            return
+        pos = self.one_factor.get("position") or [(lbl, lbl) for lbl in self.labels]
+        train_len = ((self.results.experiment_config(self.base).get("task") or {}).get("seq_len")
+                     or length_columns(self.done)[0][0])
+        fig = plot_extrapolation(self.done, pos, self.palette, f"{self.head}: perplexity by evaluation length",
+                                 train_len=train_len)
+        if fig._study_series:
+            self.emit(fig, f"{self.prefix}extrapolation", "perplexity against evaluation length per position scheme",
+                      "extrapolation", self.task, "position")
+
+    def grad_norms(self) -> None:
+        """Post- against pre-norm."""
+        if "norm_position" not in self.one_factor:
+            return
+        fig = plot_grad_norms(self.results, self.rows, self.one_factor["norm_position"], self.palette,
+                              f"{self.head}: norm position")
+        if fig._study_series:
+            self.emit(fig, f"{self.prefix}grad-norms-norm_position", "per-layer gradient norms, post- vs pre-norm",
+                      "grad_norms", self.task, "norm_position")
+
+    def heatmap(self) -> None:
+        """Two-axis grids only."""
+        r = self.results
+        if r.design != "grid":
+            return
+        grid_axes = [a for a, v in r.axes.items() if len(v) >= 2 and f"axis.{a}" in self.done]
+        for a, b in combinations(grid_axes, 2):
+            others = [x for x in grid_axes if x not in (a, b)]
+            fig = plot_heatmap(self.done, a, b, r.axes[a], r.axes[b], self.mcol, self.direction,
+                               f"{self.head}: {self.name}", others, label=self.ylabel)
+            self.emit(fig, f"{self.prefix}{self.name}-heatmap-{a}-{b}", f"{self.name} over {a} × {b}",
+                      "heatmap", self.task, f"{a}×{b}")
+
+
 def make_figures(results: SweepResults, out: str | Path, formats=("png", "svg"), kinds=KINDS) -> list[FigureInfo]:
     """Every figure the results allow, saved under <out>/figures/ (PNG and SVG by default); `kinds`
     restricts which families are drawn."""
@@ -394,68 +502,12 @@ def make_figures(results: SweepResults, out: str | Path, formats=("png", "svg"),
     infos: list[FigureInfo] = []
 
     def emit(fig: Figure, name: str, title: str, kind: str, task: str, axis: str | None = None):
-        if kind not in kinds:
-            return
         paths = save_figure(fig, out, slug(name), formats)
         infos.append(FigureInfo(slug(name), title, kind, task, axis, list(getattr(fig, "_study_series", [])), paths))
 
     for task in results.tasks:
-        done = results.completed(task)
-        in_task = results.table["task"] == task
-        rows_task = results.table[in_task & results.table["status"].isin(("completed", "diverged"))]
-        metric, direction = results.objective(task)
-        mcol = metric_column(metric)
-        dataset = results.datasets_for(task)
-        head = f"{results.sweep}: {task}" + (f" on {dataset}" if dataset else "")
-        prefix = f"{task}-"
-        labels = results.labels_for(task)
-        base = results.baseline_label
-
-        # all variants on one figure
-        if "metric" in kinds:
-            fig = plot_metric_by_variant(done, [(lbl, lbl) for lbl in labels], mcol, palette,
-                                         f"{head}: every variant", baseline=base)
-            emit(fig, f"{prefix}{metric}-all-variants", f"{metric} for every variant", "metric", task)
-
-        one_factor = {axis: results.axis_labels(axis) for axis in results.axes}
-        one_factor = {a: v for a, v in one_factor.items() if len(v) >= 2}
-        for axis, variants in (one_factor.items() if "metric" in kinds else ()):
-            fig = plot_metric_by_variant(done, variants, mcol, palette, f"{head}: {axis}", baseline=base, xlabel=axis)
-            emit(fig, f"{prefix}{metric}-by-{axis}", f"{metric} by {axis}", "metric", task, axis)
-        # curves: per axis for one-factor slices, else all variants
-        curve_groups = ({a: [lbl for _, lbl in v] for a, v in one_factor.items()} if results.design == "ofat"
-                        else {"all": labels[:12]})
-        for axis, group in (curve_groups.items() if "curves" in kinds else ()):
-            fig = plot_curves(results, rows_task, group, palette, f"{head}: training curves, {axis}")
-            if fig._study_series:
-                emit(fig, f"{prefix}curves-{axis}", f"training and validation curves, {axis}", "curves", task, axis)
-        # quality against cost
-        if "cost" in kinds:
-            fig = plot_quality_vs_cost(done, labels, mcol, direction, palette, head, baseline=base)
-            emit(fig, f"{prefix}{metric}-vs-cost", f"{metric} against cost, Pareto front", "cost", task)
-        # extrapolation
-        if "extrapolation" in kinds and length_columns(done):
-            pos = one_factor.get("position") or [(lbl, lbl) for lbl in labels]
-            train_len = (results.point_config(base).get("task") or {}).get("seq_len") or length_columns(done)[0][0]
-            fig = plot_extrapolation(done, pos, palette, f"{head}: perplexity by evaluation length",
-                                     train_len=train_len)
-            if fig._study_series:
-                emit(fig, f"{prefix}extrapolation", "perplexity against evaluation length per position scheme",
-                     "extrapolation", task, "position")
-        # gradient norms, post vs pre norm
-        if "grad_norms" in kinds and "norm_position" in one_factor:
-            fig = plot_grad_norms(results, rows_task, one_factor["norm_position"], palette,
-                                  f"{head}: norm position")
-            if fig._study_series:
-                emit(fig, f"{prefix}grad-norms-norm_position", "per-layer gradient norms, post- vs pre-norm",
-                     "grad_norms", task, "norm_position")
-        # heatmaps for grids
-        if "heatmap" in kinds and results.design == "grid":
-            grid_axes = [a for a, v in results.axes.items() if len(v) >= 2 and f"axis.{a}" in done]
-            for a, b in combinations(grid_axes, 2):
-                others = [x for x in grid_axes if x not in (a, b)]
-                fig = plot_heatmap(done, a, b, results.axes[a], results.axes[b], mcol, direction,
-                                   f"{head}: {metric}", others)
-                emit(fig, f"{prefix}{metric}-heatmap-{a}-{b}", f"{metric} over {a} × {b}", "heatmap", task,
-                     f"{a}×{b}")
+        figures = _TaskFigures(results, task, palette, emit)
+        for kind in KINDS:
+            if kind in kinds:
+                getattr(figures, kind)()
     return infos

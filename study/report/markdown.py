@@ -14,8 +14,9 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from study.report.collect import PPL_AT_2X, SweepResults, metric_column
-from study.report.figures import FigureInfo, metric_label
+from study.record import COSTS
+from study.report.collect import Declaration, SweepResults, at_2x_column, metric_column, metric_name
+from study.report.figures import FigureInfo
 from study.report.stats import paired_differences, small_n_note, summarize, t_critical
 
 COST_COLUMNS = (  # column, header, formatter
@@ -25,7 +26,6 @@ COST_COLUMNS = (  # column, header, formatter
     ("cost.train_tokens_per_s", "train tokens/s", "int"),
     ("cost.peak_memory_bytes", "peak memory (MB)", "mb"),
 )
-SECONDARY = ("metric.valid_ppl", "metric.test_loss", "metric.test_ppl", PPL_AT_2X, "metric.bleu", "metric.chrf")
 
 
 def fmt(x: Any, kind: str = "num") -> str:
@@ -130,6 +130,37 @@ class Doc:
                 f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
+def scale_text(spec: Declaration) -> str:
+    """'nats/token; lower is better': a column's declared scale and direction, for table headers."""
+    return f"{spec.scale}; {spec.better} is better" if spec.scale else f"{spec.better} is better"
+
+
+def secondary_columns(results: SweepResults, task: str, done: pd.DataFrame,
+                      primary: str) -> list[tuple[str, Declaration]]:
+    """The other quality metrics worth a column beside the objective: those declared by name, or by a one-level
+    pattern (`*_ppl_at_2x`), that may rank a sweep and have values; never counts or bookkeeping. Families of
+    columns (GLUE's `*/accuracy`, `test_sets.*.bleu`) stay out of the table (study compare has them)."""
+    out = []
+    for col in done.columns:
+        if not col.startswith("metric.") or col == primary or not pd.api.types.is_numeric_dtype(done[col]) \
+                or not done[col].notna().any():
+            continue
+        spec = results.declaration(col, task)
+        if spec is None or not spec.objective or ("*" in spec.declared_as and any(c in spec.declared_as
+                                                                                    for c in "/.")):
+            continue
+        out.append((col, spec))
+    return out
+
+
+def undeclared_columns(results: SweepResults, task: str, done: pd.DataFrame) -> list[str]:
+    """Metric columns of numbers that no declaration covers: shown as 'direction not declared', never ranked
+    (flags such as GLUE's glue_score_complete, and text, are not measurements)."""
+    return [c for c in done.columns if c.startswith("metric.") and pd.api.types.is_numeric_dtype(done[c])
+            and not pd.api.types.is_bool_dtype(done[c]) and done[c].notna().any()
+            and results.declaration(c, task) is None]
+
+
 # -- report sections -------------------------------------------------------------------------------------------
 def status_sentence(results: SweepResults) -> str:
     c = results.status_counts
@@ -180,34 +211,13 @@ def build_doc(results: SweepResults, figures: list[FigureInfo], out: Path, gener
     elif results.status_counts["completed"] < len(results.table):
         doc.note(f"**Not every trial completed.** {status_sentence(results)}. The failed and diverged trials are "
                  "listed under *Trials that did not complete* and are left out of every mean.")
-
-    # spec and environment
-    doc.h(2, "Sweep")
-    base_values = ", ".join(f"{a}={v}" for a, v in results.baseline_values().items())
-    doc.table(["design", "objective", "seeds", "baseline", "variants"],
-              [[results.design, " ".join(results.objective(results.tasks[0])), ", ".join(map(str, results.seeds)),
-                f"{results.baseline_label}" + (f" ({base_values})" if base_values else ""),
-                str(len(results.variant_order))]], align="lllll")
-    if results.axes:
-        doc.table(["axis", "values (first: baseline)"],
-                  [[a, ", ".join(v)] for a, v in results.axes.items()], align="ll")
-    if results.spec_text:
-        doc.p("The spec as written (`spec.yaml`):")
-        doc.code(results.spec_text, "yaml")
-    env = _env_lines(results)
-    if env:
-        doc.h(3, "Environment")
-        doc.ul(env)
-
+    _sweep_section(doc, results)
     counts = results.status_counts
     doc.h(2, "Trials")
     doc.table(["status", "trials"], [[s, str(n)] for s, n in counts.items()], align="lr")
-
     for task in results.tasks:
         _task_section(doc, results, task, figures, out)
-
     _problems_section(doc, results)
-
     doc.h(2, "Figures")
     if figures:
         doc.ul([f"{f.title} ({f.task}): " + " · ".join(f"[{p.suffix[1:].upper()}]({p.relative_to(out).as_posix()})"
@@ -217,59 +227,64 @@ def build_doc(results: SweepResults, figures: list[FigureInfo], out: Path, gener
     return doc
 
 
+def _sweep_section(doc: Doc, results: SweepResults) -> None:
+    """Design, declared objective, seeds, axes (with the config fields each sets), the spec and environment."""
+    doc.h(2, "Sweep")
+    base_values = ", ".join(f"{a}={v}" for a, v in results.baseline_values().items())
+    obj = results.plan["objective"]
+    doc.table(["design", "objective (declared)", "seeds", "baseline", "variants"],
+              [[results.design, f"{obj['direction']} {obj['metric']} ({obj.get('scale') or '?'}; task "
+                f"`{obj['task']}`)" + (f"; stages {' → '.join(results.stages)}" if results.stages else ""),
+                ", ".join(map(str, results.seeds)),
+                f"{results.baseline_label}" + (f" ({base_values})" if base_values else ""),
+                str(len(results.variant_order))]], align="lllll")
+    if results.axes:
+        fields = results.plan.get("axis_fields") or {}
+        doc.table(["axis", "values (first: baseline)", "config fields"],
+                  [[a, ", ".join(v), ", ".join(f"`{f}`" for f in fields.get(a, [])) or "–"]
+                   for a, v in results.axes.items()], align="lll")
+        doc.p("Each trial's axis values are read from its resolved config.yaml (what ran), not from the spec.")
+    if "ran_as_planned" in results.table:
+        off = results.table[results.table["ran_as_planned"].map(lambda v: str(v).strip().lower() == "false")]
+        if len(off):
+            doc.note(f"**{len(off)} trial(s) did not run as planned**: their resolved config differs from the spec "
+                     "on an axis; they are listed under the label of what ran: "
+                     + ", ".join(sorted(set(off["label"].astype(str)))) + ".")
+    if results.spec_text:
+        doc.p("The spec as written (`spec.yaml`):")
+        doc.code(results.spec_text, "yaml")
+    env = _env_lines(results)
+    if env:
+        doc.h(3, "Environment")
+        doc.ul(env)
+
+
 def _task_section(doc: Doc, results: SweepResults, task: str, figures: list[FigureInfo], out: Path) -> None:
     done = results.completed(task)
     metric, direction = results.objective(task)
     mcol = metric_column(metric)
+    spec = results.declared(metric, task)
     labels = results.labels_for(task)
-    planned = results.table[results.table["task"] == task].groupby("label").size()
     datasets = results.datasets_for(task)
     doc.h(2, f"Task `{task}`" + (f" on {datasets}" if datasets else ""))
     n_typical = int(summarize(done, mcol, order=labels)["n"].max()) if mcol in done and len(done) else 0
-    doc.p(f"Primary metric: **{metric}** ({metric_label(mcol)}; {direction}). Means with a two-sided 95% confidence "
-          f"interval from the t distribution over seeds (mean ± half-width, then the interval). "
-          + small_n_note(n_typical))
-
-    secondary = [c for c in SECONDARY if c != mcol and c in done and done[c].notna().any()]
-    costs = [(c, h, k) for c, h, k in COST_COLUMNS if c in done and done[c].notna().any()]
-    summary = summarize(done, mcol, order=labels, extra=[*secondary, *(c for c, _, _ in costs)]) if mcol in done \
-        else pd.DataFrame({"label": labels, "n": 0, "mean": math.nan, "ci_half": math.nan, "ci_lo": math.nan,
-                           "ci_hi": math.nan})
-    headers = ["variant", "n / planned", f"{metric} (95% CI)", "interval",
-               *[c.split(".", 1)[1] for c in secondary], *[h for _, h, _ in costs]]
-    rows = []
-    for _, r in summary.iterrows():
-        mean_text, interval = _interval_text(r)
-        is_base = r["label"] == results.baseline_label and r["label"] != "baseline"
-        rows.append([r["label"] + (" (baseline)" if is_base else ""),
-                     f"{int(r['n'])} / {int(planned.get(r['label'], 0))}", mean_text, interval,
-                     *[fmt(r.get(c)) for c in secondary], *[fmt(r.get(c), k) for c, _, k in costs]])
-    doc.table(headers, rows)
-    doc.p("Secondary metrics and costs are means over the completed seeds. "
-          "`n / planned`: seeds that completed out of those planned.")
-
-    base = results.baseline_label
-    doc.h(3, f"Paired differences against the baseline ({base})")
-    t3 = t_critical(3)
-    doc.p(f"For each variant, {metric}(variant) − {metric}(baseline) on the same seed, averaged over the seeds both "
-          "completed, with the 95% t interval of that mean "
-          f"(t for n − 1 degrees of freedom; e.g. {t3:.2f} for n = 3). "
-          f"*better* / *worse* ({'lower' if direction == 'minimize' else 'higher'} is better) only when the interval "
-          "excludes zero; *inconclusive* when it contains zero; n = 1 gives no interval.")
-    for col, name, dirn in [(mcol, metric, direction)] + (
-            [(PPL_AT_2X, "test_ppl_at_2x", "minimize")] if PPL_AT_2X in done and done[PPL_AT_2X].notna().any()
-            and mcol != PPL_AT_2X else []):
-        if col != mcol:
-            doc.p(f"Length extrapolation, **{name}** (test perplexity at twice the training length; lower is better):")
-        pd_ = paired_differences(results.table[results.table["task"] == task].query("status == 'completed'"),
-                                 col, base, labels, dirn)
-        rows = []
-        for _, r in pd_.iterrows():
-            ci = "–" if r["n_pairs"] < 2 else f"[{fmt(r['ci_lo'], 'signed')}, {fmt(r['ci_hi'], 'signed')}]"
-            rows.append([r["label"], str(r["n_pairs"]) + (f" (seeds {r['seeds']})" if r["seeds"] else ""),
-                         fmt(r["diff"], "signed"), ci, f"**{r['verdict']}**"])
-        doc.table(["variant", "pairs", f"Δ {name}", "95% CI", "verdict"], rows, align="lrrrl")
-
+    doc.p(f"Primary metric: **{metric}** ({scale_text(spec)}; declared by task `{spec.task}`"
+          + (f": {spec.description}" if spec.description else "") + "). Means with a two-sided 95% confidence "
+          "interval from the t distribution over seeds (mean ± half-width, then the interval); one seed gives "
+          "no interval (n=1, no CI). " + small_n_note(n_typical))
+    if results.stages:
+        doc.p(f"A trial is one run of the study in stages ({' → '.join(results.stages)}); its seed is the "
+              f"{results.stages[0]} stage's, so n counts {results.stages[0]} runs"
+              + (", each GLUE number the mean over its record's fine-tuning seeds." if task == "glue" else "."))
+    _summary_table(doc, results, task, done, mcol, spec, labels)
+    undeclared = undeclared_columns(results, task, done)
+    if undeclared:
+        doc.p("Columns without a declaration (direction not declared, so never ranked or compared): "
+              + ", ".join(f"`{metric_name(c)}`" for c in undeclared) + ".")
+    _paired_section(doc, results, task, metric, mcol, direction, labels)
+    if task == "glue":
+        _glue_tasks_section(doc, results, task, labels)
+    _earlier_stages_section(doc, results, task, labels)
     task_figs = [f for f in figures if f.task == task]
     if task_figs:
         doc.h(3, "Figures")
@@ -277,6 +292,128 @@ def _task_section(doc: Doc, results: SweepResults, task: str, figures: list[Figu
             doc.h(4, f.title)
             doc.img(f.title, f.png.relative_to(out).as_posix(),
                     [(p.suffix[1:].upper(), p.relative_to(out).as_posix()) for p in f.paths])
+
+
+def _cost_columns(done: pd.DataFrame) -> list[tuple[str, str, str]]:
+    return [(c, h, k) for c, h, k in COST_COLUMNS if c in done and done[c].notna().any()]
+
+
+def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFrame, mcol: str, spec: Declaration,
+                   labels: list[str]) -> None:
+    """One row per variant: the objective's mean and interval, the other declared metrics, the costs."""
+    planned = results.table[results.table["task"] == task].groupby("label").size()
+    secondary = secondary_columns(results, task, done, mcol)
+    costs = _cost_columns(done)
+    summary = summarize(done, mcol, order=labels, extra=[*(c for c, _ in secondary), *(c for c, _, _ in costs)]) \
+        if mcol in done else pd.DataFrame({"label": labels, "n": 0, "mean": math.nan, "ci_half": math.nan,
+                                           "ci_lo": math.nan, "ci_hi": math.nan})
+    headers = ["variant", "n / planned", f"{metric_name(mcol)} ({scale_text(spec)}; 95% CI)", "interval",
+               *[f"{metric_name(c)} ({scale_text(d)})" for c, d in secondary], *[h for _, h, _ in costs]]
+    rows = []
+    for _, r in summary.iterrows():
+        mean_text, interval = _interval_text(r)
+        is_base = r["label"] == results.baseline_label and r["label"] != "baseline"
+        rows.append([r["label"] + (" (baseline)" if is_base else ""),
+                     f"{int(r['n'])} / {int(planned.get(r['label'], 0))}", mean_text, interval,
+                     *[fmt(r.get(c)) for c, _ in secondary], *[fmt(r.get(c), k) for c, _, k in costs]])
+    doc.table(headers, rows)
+    constructed = [h for c, h, _ in costs if COSTS[c.removeprefix("cost.")][2]]
+    measured = [h for c, h, _ in costs if not COSTS[c.removeprefix("cost.")][2]]
+    doc.p("Secondary metrics and costs are means over the completed seeds. `n / planned`: seeds that completed out "
+          "of those planned." + (f" {', '.join(constructed)} follow from the config by arithmetic (by construction, "
+                                 "not measurements)" if constructed else "")
+          + (f"; {', '.join(measured)} are measured on this machine." if measured else "."))
+
+
+def _paired_section(doc: Doc, results: SweepResults, task: str, metric: str, mcol: str, direction: str,
+                    labels: list[str]) -> None:
+    """Paired differences against the baseline for the objective and, for language models, the perplexity at
+    twice the training length."""
+    base = results.baseline_label
+    doc.h(3, f"Paired differences against the baseline ({base})")
+    t3 = t_critical(3)
+    doc.p(f"For each variant, {metric}(variant) − {metric}(baseline) on the same seed, averaged over the seeds both "
+          "completed, with the 95% t interval of that mean "
+          f"(t for n − 1 degrees of freedom; e.g. {t3:.2f} for n = 3). "
+          f"*better* / *worse* ({'lower' if direction == 'minimize' else 'higher'} is better, as declared) only "
+          "when the interval excludes zero; *inconclusive* when it contains zero; n = 1 gives no interval.")
+    done = results.completed(task)
+    extra = at_2x_column(done)
+    targets = [(mcol, metric, direction)]
+    if extra and extra != mcol and done[extra].notna().any():
+        targets.append((extra, metric_name(extra), results.declared(extra, task).direction))
+    for col, name, dirn in targets:
+        if col != mcol:
+            split = "validation" if name.startswith("valid") else "test"
+            doc.p(f"Length extrapolation, **{name}** ({split} perplexity at twice the training length; "
+                  f"{'lower' if dirn == 'minimize' else 'higher'} is better):")
+        pd_ = paired_differences(done, col, base, labels, dirn)
+        rows = []
+        for _, r in pd_.iterrows():
+            ci = "–" if r["n_pairs"] < 2 else f"[{fmt(r['ci_lo'], 'signed')}, {fmt(r['ci_hi'], 'signed')}]"
+            rows.append([r["label"], str(r["n_pairs"]) + (f" (seeds {r['seeds']})" if r["seeds"] else ""),
+                         fmt(r["diff"], "signed"), ci, f"**{r['verdict']}**"])
+        doc.table(["variant", "pairs", f"Δ {name}", "95% CI", "verdict"], rows, align="lrrrl")
+
+
+def _glue_tasks_section(doc: Doc, results: SweepResults, task: str, labels: list[str]) -> None:
+    """Per GLUE task: each variant's task score and metrics with their interval over trials, the fine-tuning spread
+    beside them, and the paired difference of every variant against the baseline."""
+    done = results.completed(task)
+    names = sorted({c[len("metric."):-len("/score")] for c in done.columns
+                    if c.startswith("metric.") and c.endswith("/score") and done[c].notna().any()})
+    if not names:
+        return
+    within = "pretraining runs" if results.stages else "seeds"
+    doc.h(3, "Per GLUE task")
+    doc.p(f"Each task's score ({scale_text(results.declared(f'{names[0]}/score', task))}; the mean of its official "
+          f"dev metrics) per variant: the mean and 95% t interval over {within}; *fine-tuning sd*: the mean over "
+          "trials of the sample standard deviation over each trial's fine-tuning seeds (– for one seed: one seed "
+          "has no spread). The metrics are means over trials of each trial's mean over its fine-tuning seeds.")
+    rows = []
+    for name in names:
+        metrics = [c for c in done.columns if c.startswith(f"metric.{name}/") and not c.endswith(("_std", "/score"))
+                   and pd.api.types.is_numeric_dtype(done[c])]
+        table = summarize(done, f"metric.{name}/score", order=labels,
+                          extra=[f"metric.{name}/score_std", *metrics])
+        for _, r in table.iterrows():
+            mean_text, interval = _interval_text(r)
+            rows.append([name, r["label"], str(int(r["n"])), mean_text, interval,
+                         fmt(r.get(f"metric.{name}/score_std")),
+                         ", ".join(f"{metric_name(c).split('/', 1)[1]} {fmt(r.get(c))}" for c in metrics)])
+    doc.table(["task", "variant", "n", "score (95% CI)", "interval", "fine-tuning sd", "metrics"], rows,
+              align="llrrrrl")
+    base = results.baseline_label
+    paired = []
+    for name in names:
+        for _, r in paired_differences(done, f"metric.{name}/score", base, labels, "maximize").iterrows():
+            ci = "–" if r["n_pairs"] < 2 else f"[{fmt(r['ci_lo'], 'signed')}, {fmt(r['ci_hi'], 'signed')}]"
+            paired.append([name, r["label"], str(r["n_pairs"]), fmt(r["diff"], "signed"), ci, f"**{r['verdict']}**"])
+    doc.p(f"Paired by {within[:-1]} seed against the baseline ({base}), task by task (each at 95%, no correction "
+          "for the several tasks: `compare.md` sets the published effects beside these with a Holm-adjusted "
+          "verdict):")
+    doc.table(["task", "variant", "pairs", "Δ score", "95% CI", "verdict"], paired, align="llrrrl")
+
+
+def _earlier_stages_section(doc: Doc, results: SweepResults, task: str, labels: list[str]) -> None:
+    """A study in stages: the earlier stages' declared quality metrics per variant (pretraining: MLM loss on the
+    same input with or without NSP, NSP accuracy), with intervals over trials."""
+    done = results.completed(task)
+    for stage in results.stages[:-1]:
+        cols = [c for c in done.columns if c.startswith(f"metric.{stage}.") and pd.api.types.is_numeric_dtype(done[c])
+                and done[c].notna().any() and (d := results.declaration(c, task)) is not None and d.objective]
+        if not cols:
+            continue
+        doc.h(3, f"The {stage} stage")
+        rows = []
+        for col in cols:
+            spec = results.declared(col, task)
+            for _, r in summarize(done, col, order=labels).iterrows():
+                mean_text, interval = _interval_text(r)
+                rows.append([metric_name(col), scale_text(spec), r["label"], str(int(r["n"])), mean_text, interval])
+        doc.p(f"The {stage} stage's own metrics, as its task declares them, per variant (mean and 95% t interval "
+              "over trials). A metric that only one variant writes (NSP accuracy without NSP) is missing, not zero.")
+        doc.table(["metric", "scale", "variant", "n", "mean (95% CI)", "interval"], rows, align="lllrrr")
 
 
 def _problems_section(doc: Doc, results: SweepResults) -> None:
@@ -318,10 +455,13 @@ def write_summary_tables(results: SweepResults, out: Path) -> list[Path]:
                   if lbl in set(results.table.loc[results.table["task"] == task, "label"])]
         if mcol not in done:
             continue
-        extra = [c for c in [*SECONDARY, *(c for c, _, _ in COST_COLUMNS)] if c in done]
-        summaries.append(summarize(done, mcol, order=labels, extra=extra).assign(task=task, metric=metric))
+        extra = [c for c, _ in secondary_columns(results, task, done, mcol)]
+        extra += [c for c, _, _ in COST_COLUMNS if c in done]
+        scale = results.declared(metric, task).scale
+        summaries.append(summarize(done, mcol, order=labels, extra=extra)
+                         .assign(task=task, metric=metric, scale=scale, direction=direction))
         paireds.append(paired_differences(done, mcol, results.baseline_label, labels, direction)
-                       .assign(task=task, metric=metric, direction=direction))
+                       .assign(task=task, metric=metric, scale=scale, direction=direction))
     paths = []
     for name, frames in (("summary.csv", summaries), ("paired.csv", paireds)):
         if frames:

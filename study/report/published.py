@@ -2,11 +2,14 @@
 
     study/report/published.csv   one row per published number: citation, table, dataset, split, metric,
                                  metric_variant (how it was measured, in words), variant_key (the same,
-                                 machine-comparable), model and size, value, verification level, source, and
-                                 `match`: the key our own measurements are filed under (see compare.py)
+                                 machine-comparable), model, `model_variant` (which variant of the model the number
+                                 is of, machine-comparable: MODEL_VARIANTS), size, value, verification level,
+                                 source, and `match`: the key our own measurements are filed under (see compare.py)
     study/report/effects.csv     the published direction of each ablation effect: axis, baseline and variant
                                  value, the published numbers, 'better' / 'worse' / 'same' for the variant,
-                                 the magnitude, and which of our metrics it is compared with
+                                 the magnitude, which of our metrics it is compared with, and
+                                 `units_match_ours` ('yes' where the published effect is in the units and on the
+                                 scale of that metric of ours: GLUE dev metrics in points on 0-100)
 
 Curated from ../shared/references/published.md (every number there was read from the paper, an official
 repository or, flagged as such, a secondary transcription or a community reproduction).
@@ -14,21 +17,26 @@ repository or, flagged as such, a secondary transcription or a community reprodu
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 
 import pandas as pd
 
 PUBLISHED_COLUMNS = ("id", "citation", "year", "table", "task", "dataset", "split", "metric", "metric_variant",
-                     "variant_key", "model", "model_size", "params_m", "train_flops", "setting", "value",
-                     "value_printed", "verification", "source", "match")
+                     "variant_key", "model", "model_variant", "model_size", "params_m", "train_flops", "setting",
+                     "value", "value_printed", "verification", "source", "match")
 REQUIRED = ("id", "citation", "table", "dataset", "split", "metric", "metric_variant", "variant_key", "model", "value",
             "verification", "source", "match")
 EFFECT_COLUMNS = ("effect_id", "axis", "baseline", "variant", "our_metric", "published_metric", "published_baseline",
                   "published_variant", "published_direction", "magnitude", "citation", "table", "task", "dataset",
-                  "params_m", "evidence", "published_ids", "note")
+                  "params_m", "evidence", "units_match_ours", "published_ids", "note")
 EFFECT_REQUIRED = ("effect_id", "axis", "baseline", "variant", "our_metric", "published_metric", "published_direction",
                    "magnitude", "citation", "table", "dataset")
 DIRECTIONS = ("better", "worse", "same")
+# `model_variant`: how the model was obtained, so a number of BERT pretrained with NSP is never paired with one of a
+# model pretrained without it, or with a randomly initialised encoder. Empty where it does not apply.
+MODEL_VARIANTS = re.compile(r"^(|from-scratch|random-init|(pretrained|zero-shot):[a-z0-9+.\-]+)$")
+UNITS_MATCH = ("", "yes", "no")
 
 
 def _read(name: str) -> pd.DataFrame:
@@ -63,6 +71,11 @@ def validate_published(table: pd.DataFrame) -> list[str]:
         problems += [f"row {table.loc[i, 'id'] if 'id' in table else i}: empty {c}" for i in table.index[empty]]
     if "id" in table:
         problems += [f"duplicate id {i}" for i in table["id"][table["id"].duplicated()]]
+    if "model_variant" in table:
+        bad = ~table["model_variant"].fillna("").astype(str).str.match(MODEL_VARIANTS)
+        problems += [f"row {table.loc[i, 'id'] if 'id' in table else i}: model_variant "
+                     f"{table.loc[i, 'model_variant']!r} is not one of from-scratch, random-init, "
+                     "pretrained:<objective>, zero-shot:<corpus> or empty" for i in table.index[bad]]
     return problems
 
 
@@ -77,6 +90,8 @@ def validate_effects(effects: pd.DataFrame, published: pd.DataFrame | None = Non
     for _, e in effects.iterrows():
         if e["published_direction"] not in DIRECTIONS:
             problems.append(f"effect {e['effect_id']}: direction {e['published_direction']!r} not in {DIRECTIONS}")
+        if str(e.get("units_match_ours", "")) not in UNITS_MATCH:
+            problems.append(f"effect {e['effect_id']}: units_match_ours {e['units_match_ours']!r} not in {UNITS_MATCH}")
         if published is not None:
             ids = [i for i in str(e.get("published_ids", "")).split(";") if i]
             missing = [i for i in ids if i not in set(published["id"])]

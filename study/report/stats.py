@@ -1,5 +1,6 @@
 """Statistics that do not overclaim: means with t-distribution confidence intervals over seeds,
-differences against the baseline paired by seed, and Pareto fronts.
+differences against the baseline paired by seed, their paired t-test p-values, Holm's correction for
+testing several effects at once, the smallest difference a set of seeds could have detected, and Pareto fronts.
 
 n = 1 gives no interval (reported as such, never as +-0); a paired difference whose interval
 contains zero is `inconclusive`, whatever its mean says.
@@ -15,6 +16,8 @@ import pandas as pd
 from scipy import stats as _st
 
 CONFIDENCE = 0.95
+POWER = 0.80  # the conventional power of a minimum detectable difference (Cohen 1988's convention)
+ALPHA = 1 - CONFIDENCE
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,16 @@ class PairedDifference:
     direction: str            # 'minimize' | 'maximize': which sign is an improvement
 
     @property
+    def p_value(self) -> float:
+        """Two-sided paired t-test p-value of the mean difference (NaN below 2 pairs)."""
+        return paired_t_pvalue(self.diff)
+
+    @property
+    def mde(self) -> float:
+        """The smallest difference these pairs could have detected (see minimum_detectable_difference)."""
+        return minimum_detectable_difference(self.diff.sd, self.diff.n)
+
+    @property
     def verdict(self) -> str:
         """'better' / 'worse' than the baseline when the interval excludes zero, 'inconclusive'
         when it contains zero, 'no CI (n=1)' / 'no pairs' when it cannot be computed."""
@@ -97,6 +110,53 @@ class PairedDifference:
             return "inconclusive"
         lower = self.diff.hi < 0
         return "better" if lower == (self.direction == "minimize") else "worse"
+
+
+def paired_t_pvalue(diff: Interval) -> float:
+    """Two-sided p-value of H0 'mean difference = 0' for n paired differences: t = mean / (sd / sqrt(n)) with
+    n - 1 degrees of freedom (Student's paired t-test; the same test as 'the 95% interval excludes zero').
+    NaN below two pairs; with no spread at all, 0 when the mean is not zero and 1 when it is."""
+    if diff.n < 2 or not math.isfinite(diff.sd):
+        return math.nan
+    if diff.sd == 0:
+        return 0.0 if diff.mean != 0 else 1.0
+    t = diff.mean / (diff.sd / math.sqrt(diff.n))
+    return float(2 * _st.t.sf(abs(t), diff.n - 1))
+
+
+def holm_adjust(pvalues) -> list[float]:
+    """Holm's step-down adjusted p-values (Holm 1979, "A simple sequentially rejective multiple test
+    procedure", Scand. J. Statist. 6:65-70): sort the m p-values, multiply the i-th smallest by (m - i + 1),
+    carry the running maximum forward and cap at 1. Rejecting where the adjusted value is below alpha keeps the
+    family-wise error rate (any false rejection among the m tests) at most alpha. NaN entries (effects that
+    were not tested) stay NaN and do not count in m."""
+    p = [float(x) if x is not None else math.nan for x in pvalues]
+    tested = sorted((v, i) for i, v in enumerate(p) if math.isfinite(v))
+    m = len(tested)
+    out = [math.nan] * len(p)
+    running = 0.0
+    for rank, (value, i) in enumerate(tested):
+        running = max(running, min(1.0, (m - rank) * value))
+        out[i] = running
+    return out
+
+
+def holm_reject(pvalues, alpha: float = ALPHA) -> list[bool]:
+    """Which hypotheses Holm's procedure rejects at family-wise level alpha (NaN: never)."""
+    return [math.isfinite(a) and a < alpha for a in holm_adjust(pvalues)]
+
+
+def minimum_detectable_difference(sd: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The smallest true mean difference a two-sided paired t-test at level `alpha` detects with probability
+    `power`, given the sd of the n paired differences: (t_{1-alpha/2, n-1} + t_{power, n-1}) * sd / sqrt(n).
+    The standard power-analysis approximation for a t test (Cohen 1988, Statistical Power Analysis for the
+    Behavioral Sciences, 2nd ed., ch. 2; written as a minimum detectable effect with the t multiplier
+    t_{1-alpha/2} + t_{power} by Bloom 1995, Evaluation Review 19(5):547-556). NaN below two pairs."""
+    if n < 2 or sd is None or not math.isfinite(sd):
+        return math.nan
+    t_alpha = float(_st.t.ppf(1 - alpha / 2, n - 1))
+    t_power = float(_st.t.ppf(power, n - 1))
+    return (t_alpha + t_power) * sd / math.sqrt(n)
 
 
 def paired_difference(table: pd.DataFrame, metric_col: str, variant: str, baseline: str,
@@ -124,8 +184,8 @@ def paired_differences(table: pd.DataFrame, metric_col: str, baseline: str, vari
             continue
         d = paired_difference(table, metric_col, v, baseline, direction, by)
         rows.append({by: v, "n_pairs": d.diff.n, "diff": d.diff.mean, "ci_lo": d.diff.lo, "ci_hi": d.diff.hi,
-                     "verdict": d.verdict, "seeds": ",".join(map(str, d.seeds))})
-    return pd.DataFrame(rows, columns=[by, "n_pairs", "diff", "ci_lo", "ci_hi", "verdict", "seeds"])
+                     "p_value": d.p_value, "mde": d.mde, "verdict": d.verdict, "seeds": ",".join(map(str, d.seeds))})
+    return pd.DataFrame(rows, columns=[by, "n_pairs", "diff", "ci_lo", "ci_hi", "p_value", "mde", "verdict", "seeds"])
 
 
 def pareto_front(x, y, x_better: str = "lower", y_better: str = "lower") -> np.ndarray:

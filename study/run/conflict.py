@@ -35,11 +35,11 @@ def finished_run(run: RunDir, cfg: Config, force: bool, data_decided: tuple[str,
         return None
     stored = stored_config(run, type(cfg))
     if stored is not None:
-        asked = cfg
+        wanted = cfg  # as the directory would record it: the fields the data decides are not known yet
         if data_decided:
-            asked = cfg.replace(model=cfg.model.replace(**{k: getattr(stored.model, k) for k in data_decided}))
-        if stored != asked:
-            raise RunDirConflict.between(run.path, stored, asked)
+            wanted = cfg.replace(model=cfg.model.replace(**{k: getattr(stored.model, k) for k in data_decided}))
+        if stored != wanted:
+            raise RunDirConflict.between(run.path, stored, wanted)
     record = run.finished()
     if record is not None:
         log.info("%s already finished (%s); nothing to do", run.path, record["status"])

@@ -47,34 +47,43 @@ def _planning_vocab(cfg: ExperimentConfig) -> int:
     return 256 if cfg.task.tokenizer == "char" else cfg.model.vocab_size
 
 
-def _runs(cfg: ExperimentConfig) -> int:
-    """Training runs one experiment makes: a GLUE suite's tasks x fine-tuning seeds (at most), else one."""
+def _parts(cfg: ExperimentConfig) -> list[ExperimentConfig]:
+    """The runs one experiment makes: a GLUE suite's tasks (each with its task.per_task settings) x fine-tuning
+    seeds, at most (a task's epochs may stop it sooner; which tasks have data is known only when it runs)."""
     if cfg.task.name != "glue":
-        return 1
-    tasks = len(cfg.task.glue_tasks) or 9 if cfg.task.dataset == "glue" else 1
-    return tasks * max(1, len(cfg.task.finetune_seeds))
+        return [cfg]
+    from study.tasks.data import GLUE_TASK_NAMES
+
+    tasks = (cfg.task.glue_tasks or GLUE_TASK_NAMES) if cfg.task.dataset == "glue" else (cfg.task.dataset,)
+    seeds = max(1, len(cfg.task.finetune_seeds))
+    return [cfg.for_glue_task(t) for t in tasks for _ in range(seeds)]
 
 
 def training_flops(cfg: ExperimentConfig | PipelineConfig) -> float:
-    """Training FLOPs of one trial at its step budget (a pipeline: every stage; a suite: every run at most)."""
+    """Training FLOPs of one trial at its step budget (a pipeline: every stage; a suite: every run, at most)."""
     from study.model.accounting import flops_per_token
     from study.tasks import family
 
     if isinstance(cfg, PipelineConfig):
         return sum(training_flops(stage) for stage in cfg.stages.values())
-    tokens_per_step = cfg.train.batch_size * cfg.train.accumulate * cfg.task.seq_len
-    model = cfg.model.replace(vocab_size=_planning_vocab(cfg))
-    flops = flops_per_token(model, cfg.task.seq_len, predicted_fraction=family(cfg.task.name).predicted_fraction(cfg))
-    return flops * tokens_per_step * cfg.train.max_steps * _runs(cfg)
+    total = 0.0
+    for part in _parts(cfg):
+        tokens_per_step = part.train.batch_size * part.train.accumulate * part.task.seq_len
+        model = part.model.replace(vocab_size=_planning_vocab(part))
+        fraction = family(part.task.name).predicted_fraction(part)
+        total += flops_per_token(model, part.task.seq_len, predicted_fraction=fraction) * tokens_per_step * \
+            part.train.max_steps
+    return total
 
 
 def _seconds(cfg: ExperimentConfig | PipelineConfig, flops: float, rate: float) -> float:
     if isinstance(cfg, PipelineConfig):
         return sum(_seconds(s, training_flops(s), rate) for s in cfg.stages.values())
     s = flops / (rate * ASSUMED_UTILISATION * max(1, cfg.train.devices))  # DDP: devices share a trial
+    runs = len(_parts(cfg))
     if cfg.train.max_time_s:
-        s = min(s, cfg.train.max_time_s * _runs(cfg))
-    return s + TRIAL_OVERHEAD_S * _runs(cfg)
+        s = min(s, cfg.train.max_time_s * runs)
+    return s + TRIAL_OVERHEAD_S * runs
 
 
 def estimate(plan: "Plan", rate_flops: float | None = None, workers: int = 1, threads: int = 1) -> dict[str, Any]:

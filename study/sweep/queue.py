@@ -13,6 +13,13 @@ points).
   and that winner re-queues it once; the retry resumes from the run's last checkpoint.
 * A trial that exits with an error is failed and re-queued up to `max_retries` times; after that
   it stays failed, with its error, until the sweep is run again.
+
+Optuna's own heartbeat (`RDBStorage(heartbeat_interval=...)` with `RetryFailedTrialCallback`) is not used: it exists
+for RDB storages only (this queue also runs on the journal file), it is beaten by the process that runs
+`study.optimize` (here the trial is a child process that never holds the storage URL), its retry goes back through
+a sampler (here a retry must keep its (point, seed) key and count its attempt), and it cannot tell that a worker on
+this host is gone before the grace period ends. Everything else is Optuna's: the storages, the atomic state updates,
+the study of each sweep, TPE for tuning mode.
 """
 
 from __future__ import annotations

@@ -20,17 +20,19 @@ from typing import Any
 import yaml
 
 from study.io import atomic_write, read_json, read_json_or_none
-from study.record import FINISHED, PENDING, RUNNING, STATUSES, RunDir, flatten_record
+from study.record import FINISHED, PENDING, RUNNING, RunDir, flatten_record
 from study.sweep.layout import SweepLayout, read_tuned
 
 
 def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tuple[str, str]:
-    if metrics and metrics.get("status") in FINISHED:
-        return metrics["status"], ""
     attempts = (trial or {}).get("attempts", [])
+    last = attempts[-1] if attempts else {}
+    if metrics and metrics.get("status") in FINISHED:
+        if last.get("outcome") == "failed":  # finished, but failed by its worker (its objective is missing)
+            return "failed", last.get("error", "")
+        return metrics["status"], ""
     if not attempts:
         return PENDING, ""
-    last = attempts[-1]
     if "ended" not in last:
         return RUNNING, ""
     if last.get("outcome") == "failed":
@@ -195,7 +197,7 @@ def summary(df, metric: str) -> str:
     col = f"metric.{metric}"
     lines = [f"{'point':<28} {'n':>2} {'done':>4} {metric:>12} {'sd':>8}  status"]
     for label, group in df.groupby("label", sort=False):
-        done = group[group.status.isin(["completed", "diverged"])]
+        done = group[group.status.isin(FINISHED)]
         values = done[col].dropna() if col in done else []
         mean = f"{values.mean():.4f}" if len(values) else "-"
         sd = f"{values.std(ddof=1):.4f}" if len(values) > 1 else "-"

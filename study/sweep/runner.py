@@ -92,8 +92,9 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
         if s.kind != "seed":  # a tuning trial's config is sampled when it starts: nothing to find on disk
             continue
         metrics = layout.run(s.config_point or s.point, s.seed).finished()
-        if metrics is not None:
-            finished[s.key] = metric_value(metrics, plan.metric)
+        value = metric_value(metrics, plan.metric) if metrics is not None else None
+        if metrics is not None and (value is not None or metrics["status"] != "completed"):
+            finished[s.key] = value  # (a completed run without the objective is a failure, not a result)
     with queue.lock():
         added = queue.sync_locked(specs, finished, retry_failed=True, verify_files=True)
         if plan_data.get("tune"):  # tuning that ended while no worker could settle it (a kill)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from study.model.positions import POSITIONS  # TEMP until study.axes lands
+from study.axes import POSITIONS
 from study.config import ExperimentConfig
 from study.record import NOT_APPLICABLE
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator

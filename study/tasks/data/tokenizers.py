@@ -297,25 +297,36 @@ def build_tokenizer(
     if kind == "wordpiece":
         specials = _with(specials, unk)
     options = {"lowercase": lowercase, "unk_token": unk, "min_frequency": min_freq, "newline_token": newline_token}
-
-    path: Path | None = None
+    if cache_dir is not None and fingerprint is None:
+        texts = list(texts)
+        fingerprint = texts_fingerprint(texts)
+    key = tokenizer_cache_key(kind, vocab_size, specials, options, fingerprint)
+    path = None
     if cache_dir is not None:
-        if fingerprint is None:
-            texts = list(texts)
-            fingerprint = texts_fingerprint(texts)
-        key = tokenizer_cache_key(kind, vocab_size, specials, options, fingerprint)
-        cache = Path(cache_dir)
-        path = cache / f"{kind}-{vocab_size if vocab_size is not None else 'all'}-{key[:20]}.json"
-        if path.is_file():
-            try:
-                tok = Tokenizer.from_file(str(path))
-            except Exception as e:  # noqa: BLE001 - a corrupt cache file is retrained and replaced
-                log.warning("tokenizer cache %s unreadable (%s); retraining", path, e)
-            else:
-                return TrainedTokenizer(tok, kind, key, path, True, tuple(specials), unk, options)
-    else:
-        key = tokenizer_cache_key(kind, vocab_size, specials, options, fingerprint)
+        path = Path(cache_dir) / f"{kind}-{vocab_size if vocab_size is not None else 'all'}-{key[:20]}.json"
+        cached = _cached(path)
+        if cached is not None:
+            return TrainedTokenizer(cached, kind, key, path, True, tuple(specials), unk, options)
+    tok = _train(kind, texts, vocab_size, specials, min_freq, lowercase, unk, newline_token)
+    if path is not None:
+        _save(tok, path, {"kind": kind, "vocab_size_requested": vocab_size,
+                          "vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_tokens": specials,
+                          "options": options, "fingerprint": fingerprint, "key": key})
+    return TrainedTokenizer(tok, kind, key, path, False, tuple(specials), unk, options)
 
+
+def _cached(path: Path) -> Tokenizer | None:
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - a corrupt cache file is retrained and replaced
+        log.warning("tokenizer cache %s unreadable (%s); retraining", path, e)
+        return None
+
+
+def _train(kind: str, texts: Iterable[str], vocab_size: int | None, specials: list[str], min_freq: int,
+           lowercase: bool, unk: str | None, newline_token: str | None) -> Tokenizer:
     if kind == "bpe":
         tok = _train_bpe(texts, int(vocab_size or 0), specials, min_freq, lowercase)
     elif kind == "wordpiece":
@@ -330,24 +341,17 @@ def build_tokenizer(
     if specials:
         tok.add_special_tokens(specials)
     _check_contiguous(tok, kind)
+    return tok
 
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tok.save(str(tmp))
-        os.replace(tmp, path)
-        meta = {
-            "kind": kind,
-            "vocab_size_requested": vocab_size,
-            "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-            "special_tokens": specials,
-            "options": options,
-            "fingerprint": fingerprint,
-            "key": key,
-        }
-        meta_path = path.with_name(path.name[: -len(".json")] + ".meta.json")
-        meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str, ensure_ascii=False) + "\n")
-    return TrainedTokenizer(tok, kind, key, path, False, tuple(specials), unk, options)
+
+def _save(tok: Tokenizer, path: Path, meta: dict[str, Any]) -> None:
+    """The tokenizer file (renamed into place: readers never see half of it) and its `.meta.json`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+    meta_path = path.with_name(path.name[: -len(".json")] + ".meta.json")
+    meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str, ensure_ascii=False) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------------------

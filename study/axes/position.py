@@ -1,4 +1,4 @@
-"""Position scheme axis.
+"""Position scheme axis (`model.position`).
 
 A scheme may do any of three things, and the rest of the model only ever calls
 these three hooks:
@@ -9,32 +9,47 @@ these three hooks:
 
 One instance per stack (encoder and decoder have their own, as in T5). The
 `causal` flag tells bias schemes whether the stack can see the future.
+
+Every value is a `PositionScheme` that states its parameter count per stack, its rules for the rest of the config
+(`validate`: RoPE's even head dimension lives on RoPE) and how far it can address (`max_positions`: a learned table
+stops at max_seq_len).
 """
 
 from __future__ import annotations
 
+import abc
 import math
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from study.model.registry import Registry
-
-POSITIONS: Registry[type["PositionScheme"]] = Registry("position")
+from study.axes.registry import AxisRegistry
 
 
-class PositionScheme(nn.Module):
+class PositionScheme(nn.Module, abc.ABC):
+    """The contract of a `model.position` value."""
+
     #: False for schemes with a fixed table that cannot go past `max_seq_len`.
-    extrapolates = True
+    extrapolates: ClassVar[bool] = True
 
     def __init__(self, cfg, causal: bool):
         super().__init__()
         self.causal = causal
 
     @staticmethod
+    @abc.abstractmethod
     def num_parameters(cfg) -> int:
-        """Trainable parameters one stack's instance holds (for the accounting formulas)."""
-        return 0
+        """Trainable parameters one stack's instance holds (for the accounting formulas); 0 is a statement too."""
+
+    @classmethod
+    def validate(cls, cfg, problems) -> None:
+        """Add a problem for every field of `cfg` (a ModelConfig) this scheme cannot work with."""
+
+    @classmethod
+    def max_positions(cls, cfg) -> int | None:
+        """The longest sequence the scheme can address (a position table's size), or None when unbounded."""
+        return None
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -46,9 +61,14 @@ class PositionScheme(nn.Module):
         return None
 
 
+POSITIONS: AxisRegistry[type[PositionScheme]] = AxisRegistry("position", PositionScheme)
+
+
 @POSITIONS.register("none", "no position information (NoPE; Kazemnejad et al. 2023) - causal masking alone")
 class NoPosition(PositionScheme):
-    pass
+    @staticmethod
+    def num_parameters(cfg) -> int:
+        return 0
 
 
 @POSITIONS.register("learned", "learned absolute position embeddings (BERT, GPT-2); cannot exceed max_seq_len")
@@ -58,6 +78,10 @@ class LearnedPosition(PositionScheme):
     @staticmethod
     def num_parameters(cfg) -> int:
         return cfg.max_seq_len * cfg.d_model
+
+    @classmethod
+    def max_positions(cls, cfg) -> int | None:
+        return cfg.max_seq_len
 
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)
@@ -92,6 +116,14 @@ class SinusoidalPosition(PositionScheme):
     tokens ~50:1 at init; they are scaled to the same RMS as the tokens instead (`amplitude`), so
     that this axis changes the position scheme, not the signal-to-noise of the input."""
 
+    @staticmethod
+    def num_parameters(cfg) -> int:
+        return 0
+
+    @classmethod
+    def validate(cls, cfg, problems) -> None:
+        problems.check(cfg.d_model % 2 == 0, "position", f"sinusoidal needs an even d_model, got {cfg.d_model}")
+
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)
         self.dim = cfg.d_model
@@ -116,6 +148,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @POSITIONS.register("rope", "rotary position embedding on q and k (Su et al. 2021, RoFormer; Llama)")
 class RotaryPosition(PositionScheme):
+    @staticmethod
+    def num_parameters(cfg) -> int:
+        return 0
+
+    @classmethod
+    def validate(cls, cfg, problems) -> None:
+        if cfg.n_heads >= 1 and (cfg.head_dim is not None or cfg.d_model % cfg.n_heads == 0):
+            problems.check(cfg.resolved_head_dim % 2 == 0, "position", "rope rotates pairs of dimensions and needs "
+                           f"an even head dimension, got {cfg.resolved_head_dim}")
+
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)
         self.dim, self.theta = cfg.resolved_head_dim, cfg.rope_theta
@@ -145,6 +187,10 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 @POSITIONS.register("alibi", "linear distance penalty on attention scores (Press et al. 2022, ALiBi)")
 class AlibiPosition(PositionScheme):
+    @staticmethod
+    def num_parameters(cfg) -> int:
+        return 0
+
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)
         self.register_buffer("slopes", torch.tensor(alibi_slopes(cfg.n_heads)), persistent=False)
@@ -184,6 +230,13 @@ class T5RelativeBias(PositionScheme):
     @staticmethod
     def num_parameters(cfg) -> int:
         return cfg.rel_buckets * cfg.n_heads
+
+    @classmethod
+    def validate(cls, cfg, problems) -> None:
+        problems.check(cfg.rel_buckets >= 4, "rel_buckets", f"t5_bias needs rel_buckets >= 4, got {cfg.rel_buckets}")
+        problems.check(cfg.rel_max_distance > cfg.rel_buckets // 2, "rel_max_distance",
+                       f"must exceed rel_buckets // 2 = {cfg.rel_buckets // 2} (the exact-offset buckets), "
+                       f"got {cfg.rel_max_distance}")
 
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)

@@ -1,0 +1,102 @@
+"""The axis contract: every value of a registry-backed axis is a class that declares its parameter count, its rules
+for the rest of the config and its description, and a class that leaves part of it out is refused when it is
+registered (not after a trial has trained)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from study.axes import AXES, NORMS, POSITIONS, AxisRegistry, NormType, PositionScheme
+from study.config import ConfigError, ModelConfig
+from study.config.base import Problems
+from study.model import build_model
+from study.model.accounting import parameter_count
+
+
+def test_a_norm_without_its_parameter_count_is_refused_when_registered():
+    registry = AxisRegistry("norm", NormType)  # a throwaway registry: the real one stays as it is
+
+    class Forgetful(NormType):
+        """Forgets to state its parameter count."""
+
+        def forward(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="num_parameters"):
+        registry.register("forgetful")(Forgetful)
+    assert "forgetful" not in registry
+
+
+def test_a_value_needs_a_description_a_unique_name_and_the_axis_contract():
+    registry = AxisRegistry("norm", NormType)
+
+    class Bare(NormType):
+        num_parameters = staticmethod(lambda dim, bias: 0)
+
+        def forward(self, x):
+            return x
+
+    Bare.__doc__ = None
+    with pytest.raises(TypeError, match="no description"):
+        registry.register("bare")(Bare)
+    registry.register("bare", "an identity, for this test")(Bare)
+    with pytest.raises(KeyError, match="registered twice"):
+        registry.register("bare", "again")(Bare)
+
+    class NotANorm(torch.nn.Module):
+        """Not a NormType."""
+
+    with pytest.raises(TypeError, match="is not a NormType"):
+        registry.register("plain", "a module")(NotANorm)
+
+
+def test_an_activation_must_say_whether_it_gates():
+    from study.axes.activation import Activation
+
+    registry = AxisRegistry("activation", Activation)
+
+    class Ungated(Activation):
+        """Says nothing about gating."""
+
+        fn = staticmethod(torch.relu)
+
+    with pytest.raises(TypeError, match="gated"):
+        registry.register("ungated")(Ungated)
+
+
+def test_ropes_even_head_dimension_rule_lives_on_rope():
+    from types import SimpleNamespace
+
+    odd = SimpleNamespace(n_heads=2, head_dim=15, d_model=30, resolved_head_dim=15)
+    p = Problems()
+    POSITIONS["rope"].validate(odd, p)  # the rule is RoPE's own
+    assert len(p.items) == 1 and p.items[0].startswith("position: rope rotates pairs")
+    p = Problems()
+    POSITIONS["alibi"].validate(odd, p)
+    assert not p.items  # no other scheme has it
+    cfg = dict(arch="decoder", d_model=30, n_heads=2, n_layers=1, vocab_size=10, max_seq_len=8)  # head_dim 15
+    with pytest.raises(ConfigError, match="position: rope rotates pairs"):  # ModelConfig asks the class
+        ModelConfig(**cfg, position="rope")
+    ModelConfig(**cfg, position="alibi")
+
+
+def test_learned_positions_declare_how_far_they_reach():
+    cfg = ModelConfig(arch="decoder", d_model=32, n_heads=2, n_layers=1, vocab_size=10, max_seq_len=8)
+    assert POSITIONS["learned"].max_positions(cfg) == 8 and POSITIONS["rope"].max_positions(cfg) is None
+
+
+@pytest.mark.parametrize("axis, value", [(a, v) for a, r in AXES.items() for v in r.names()])
+@pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder-decoder"])
+def test_every_registered_value_builds_and_its_declared_parameters_are_the_real_ones(axis, value, arch):
+    assert issubclass(AXES[axis][value], AXES[axis].contract) and AXES[axis].describe(value)
+    cfg = ModelConfig(**{"arch": arch, "d_model": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 40,
+                         "max_seq_len": 16, axis: value})
+    model = build_model(cfg)
+    real = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert parameter_count(cfg) == real, (axis, value, arch)
+
+
+def test_every_norm_and_position_is_a_subclass_of_its_contract():
+    assert all(issubclass(cls, NormType) for _, cls in NORMS.items())
+    assert all(issubclass(cls, PositionScheme) for _, cls in POSITIONS.items())

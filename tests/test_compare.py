@@ -1,0 +1,247 @@
+"""`study compare` says exactly what it compares: seeds counted from the record, comparability that requires the same
+model variant (NSP vs no NSP, pretrained vs random init), costs computed from the config shown 'by construction',
+splits named as they are, and a Holm-adjusted verdict with the smallest detectable difference beside the per-effect
+ones."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from study.report.collect import load_results
+from study.report.compare import compare_effects, compare_numbers, holm_verdict, run_compare
+from study.report.measure import glue_seed_values, load_run, run_measurements, sweep_measurements
+from study.report.published import load_effects, load_published
+from study.report.stats import holm_adjust, minimum_detectable_difference
+from synthetic_sweep import make_nsp_glue_sweep, make_synthetic_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "results"
+
+
+@pytest.fixture(scope="module")
+def published():
+    return load_published()
+
+
+@pytest.fixture(scope="module")
+def effects():
+    return load_effects()
+
+
+def glue_run(root: Path, init: dict, sst2=(80.0, 81.0, 82.0), name: str = "glue-run") -> Path:
+    """A schema-2 GLUE suite's run directory: SST-2 with one value per fine-tuning seed, on 0-100."""
+    seeds = {str(i): {"status": "completed", "steps": 10, "score": v, "accuracy": v, "dev": {"dev": {"accuracy": v}},
+                      "n_train": 100, "n_dev": {"dev": 50}} for i, v in enumerate(sst2)}
+    mean = sum(sst2) / len(sst2)
+    sd = None if len(sst2) == 1 else float(pd.Series(sst2).std())
+    record = {"schema": 2, "status": "completed", "steps": 30, "train_tokens": 1000,
+              "metrics": {"glue_score": mean, "seeds": list(range(len(sst2))), "SST-2/accuracy": mean,
+                          "SST-2/accuracy_std": sd, "SST-2/score": mean, "SST-2/score_std": sd},
+              "declared": {}, "cost": {"parameters": 5e6},
+              "parts": {"SST-2": {"seeds": seeds, "mean": {"accuracy": mean}, "std": {"accuracy": sd},
+                                  "score_mean": mean, "score_std": sd, "best_seed": "2"}},
+              "unavailable": {}, "init": init}
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps(record))
+    (run / "config.yaml").write_text(yaml.safe_dump({"name": name, "task": {"name": "glue", "dataset": "glue"},
+                                                     "train": {"seed": 0}}))
+    return run
+
+
+PRETRAINED_NSP = {"weights": "pretrained", "from": "runs/pre", "pretrain_objective": "mlm+nsp", "pretrain_seed": 0}
+PRETRAINED_MLM = {**PRETRAINED_NSP, "pretrain_objective": "mlm"}
+RANDOM = {"weights": "random", "from": None}
+
+
+def _row(numbers: pd.DataFrame, published_id: str) -> pd.Series:
+    rows = numbers[numbers["published_id"] == published_id]
+    assert len(rows) == 1, published_id
+    return rows.iloc[0]
+
+
+# -- seeds counted from the record ----------------------------------------------------------------------------------
+def test_a_three_seed_glue_record_is_n3_with_its_per_seed_values(tmp_path, published):
+    run = glue_run(tmp_path, PRETRAINED_NSP)
+    assert glue_seed_values(json.loads((run / "metrics.json").read_text()))["metric.SST-2/accuracy"] == [80, 81, 82]
+    numbers = compare_numbers(run_measurements([run]), published)
+    row = _row(numbers, "devlin18-t5-nsp-sst2")
+    assert row["our_n"] == 3 and row["our_mean"] == pytest.approx(81.0) and row["our_sd"] == pytest.approx(1.0)
+    assert row["ours"] == "run glue-run (3 fine-tuning seeds, 1 pretraining run)"
+    assert "one seed" not in row["ours"] and "(n=1)" not in row["ours"]
+    assert row["comparable"] and row["comparability"].startswith("same metric variant, split and model variant")
+
+
+def test_a_schema1_glue_record_is_put_on_0_100_by_its_rule(tmp_path, published):
+    """Schema 1 stored task metrics as fractions and scores on 0-100; its per-seed values are read with that rule."""
+    record = {"status": "completed", "steps": 30, "metrics": {
+        "glue_score": 78.0, "SST-2/accuracy": 0.78, "SST-2/accuracy_std": 0.01, "seeds": [0, 1, 2],
+        "tasks": {"SST-2": {"seeds": {str(i): {"status": "completed", "score": 100 * v, "accuracy": v}
+                                      for i, v in enumerate((0.77, 0.78, 0.79))}}}}}
+    path = tmp_path / "run-glue-old.json"
+    path.write_text(json.dumps({"label": "glue-old", "metrics": record, "config": {
+        "task": {"name": "glue", "dataset": "glue", "init_from": "runs/missing", "pretrained_weights": True}}}))
+    run = load_run(path)
+    assert run.table["metric.SST-2/accuracy"].iloc[0] == pytest.approx(78.0)  # the flat value too
+    row = _row(compare_numbers(run_measurements([path]), published), "hf-runglue-sst2-accuracy")
+    assert row["our_n"] == 3 and row["our_mean"] == pytest.approx(78.0)
+    assert "Schema-1 record" in row["our_note"]
+    # the named pretraining run is not found: its objective is unknown, so not paired with BERT's MLM + NSP
+    assert not row["comparable"] and "pretraining objective not recorded" in row["comparability"]
+
+
+@pytest.mark.skipif(not (BENCH / "run-glue-from-nsp.json").is_file(), reason="bench records not present")
+def test_recorded_glue_runs_count_their_seeds_and_name_their_pretraining(published):
+    numbers = compare_numbers(run_measurements([BENCH / "run-glue-from-nsp.json", BENCH / "run-glue-from-nonsp.json",
+                                                BENCH / "run-glue-random-init.json"]), published)
+    sst2 = numbers[numbers["published_id"] == "devlin18-t5-nsp-sst2"].set_index("ours")
+    nsp = sst2.loc["run glue-from-nsp (3 fine-tuning seeds, 1 pretraining run)"]
+    assert nsp["our_n"] == 3 and nsp["our_model_variant"] == "pretrained:mlm+nsp" and nsp["comparable"]
+    assert 70 < nsp["our_mean"] < 90  # 0-100, not a fraction
+    nonsp = sst2.loc["run glue-from-nonsp (3 fine-tuning seeds, 1 pretraining run)"]
+    assert nonsp["our_model_variant"] == "pretrained:mlm" and not nonsp["comparable"]
+    rand = sst2.loc["run glue-random-init (3 fine-tuning seeds, random initialisation)"]
+    assert rand["our_model_variant"] == "random-init" and not rand["comparable"]
+
+
+# -- comparability requires the same model variant ------------------------------------------------------------------
+def test_an_mlm_only_record_beside_devlins_mlm_plus_nsp_is_not_comparable_and_says_why(tmp_path, published):
+    numbers = compare_numbers(run_measurements([glue_run(tmp_path, PRETRAINED_MLM)]), published)
+    nsp = _row(numbers, "devlin18-t5-nsp-sst2")
+    assert not nsp["comparable"] and not nsp["same_model_variant"] and nsp["same_metric_variant"] and nsp["same_split"]
+    assert nsp["comparability"].startswith("NOT directly comparable: different model variant (ours: MLM-only "
+                                           "pretraining; published: MLM + NSP pretraining)")
+    assert nsp["size_ratio"] != "" and nsp["compute_ratio"]  # size and compute ratios stay
+    nonsp = _row(numbers, "devlin18-t5-nonsp-sst2")  # the same variant: Devlin's MLM-only row
+    assert nonsp["comparable"] and nonsp["published_model_variant"] == "pretrained:mlm"
+
+
+def test_a_random_init_record_beside_bert_base_is_not_comparable(tmp_path, published):
+    numbers = compare_numbers(run_measurements([glue_run(tmp_path, RANDOM, sst2=(51.0,))]), published)
+    glue_rows = numbers[numbers["key"].str.startswith("glue:")]
+    assert len(glue_rows) and not glue_rows["comparable"].any()
+    hf = _row(numbers, "hf-runglue-sst2-accuracy")
+    assert "different model variant (ours: randomly initialised encoder (no pretraining); published: MLM + NSP" \
+        in hf["comparability"]
+    assert hf["our_n"] == 1 and math.isnan(hf["our_sd"])  # one seed: no spread, never 0
+    assert hf["ours"] == "run glue-run (1 fine-tuning seed, random initialisation)"
+
+
+def test_a_single_seed_shows_no_interval_in_compare_md(tmp_path):
+    comparison = run_compare(None, tmp_path / "out", runs=[glue_run(tmp_path, RANDOM, sst2=(51.0,))])
+    md = comparison.markdown.read_text()
+    assert "51 (n=1, no CI)" in md and "± 0 " not in md
+
+
+# -- splits named as they are ---------------------------------------------------------------------------------------
+def test_tiny_shakespeare_gives_no_test_measurement(tmp_path):
+    root = make_synthetic_sweep(tmp_path / "ts", axes={"position": ["rope", "alibi"]}, partial=False, problems=False,
+                                with_runs=False)
+    measurements = sweep_measurements(load_results(root))
+    assert measurements and {m.split for m in measurements} == {"validation"}
+    assert all("test" not in m.metric for m in measurements)
+    wt = make_synthetic_sweep(tmp_path / "wt", axes={"position": ["rope", "alibi"]}, partial=False, problems=False,
+                              with_runs=False, dataset="wikitext-2")
+    assert {m.split for m in sweep_measurements(load_results(wt))} == {"validation", "test"}
+
+
+@pytest.mark.skipif(not (BENCH / "run-shakespeare-char-llama2.json").is_file(), reason="bench records not present")
+def test_a_schema1_tiny_shakespeare_record_has_no_test_split(tmp_path, published):
+    """Schema-1 records wrote Tiny Shakespeare's validation split a second time as test_*: it is not a test number."""
+    run = BENCH / "run-shakespeare-char-llama2.json"
+    assert "test_loss" in json.loads(run.read_text())["metrics"]["metrics"]  # the old record has the duplicate
+    measurements = run_measurements([run])
+    assert measurements and {m.split for m in measurements} == {"validation"}
+    comparison = run_compare(None, tmp_path, runs=[run])
+    nano = _row(comparison.numbers, "nanogpt-shakespeare-char-val")
+    assert nano["split"] == "validation" and nano["comparable"]
+    assert "`tinyshakespeare`: our records have no test split" in comparison.markdown.read_text()
+
+
+def test_the_extrapolation_effect_uses_the_split_the_sweep_has(tmp_path, effects):
+    for dataset, column, split in (("tinyshakespeare", "valid_ppl_at_2x", "validation"),
+                                   ("wikitext-2", "test_ppl_at_2x", "test")):
+        root = make_synthetic_sweep(tmp_path / dataset, axes={"position": ["rope", "alibi"]}, partial=False,
+                                    problems=False, with_runs=False, noise=0.002, dataset=dataset)
+        tested, _ = compare_effects(load_results(root), effects)
+        row = tested.set_index("effect_id").loc["alibi-vs-rope-extrapolation"]
+        assert (row["our_metric"], row["our_split"], row["verdict"]) == (column, split, "agree")
+        assert f"ours on the {split} split" in row["comparability"]
+
+
+# -- by construction ------------------------------------------------------------------------------------------------
+def test_the_kv_cache_effect_reads_by_construction(tmp_path, effects):
+    root = make_synthetic_sweep(tmp_path / "mqa", axes={"attention": ["mha", "mqa"]}, partial=False, problems=False,
+                                with_runs=False, noise=0.002)
+    tested, _ = compare_effects(load_results(root), effects)
+    kv = tested.set_index("effect_id").loc["mqa-decode-cost"]
+    assert kv["verdict"] == "by construction" and kv["holm_verdict"] == "by construction"
+    assert kv["our_ratio"] == "1/4" and math.isnan(kv["p_value"]) and math.isnan(kv["holm_p"])
+    assert kv["holm_family"] == tested["p_value"].notna().sum()  # not in the family
+    assert "agree" not in set(tested.loc[tested["our_metric"].str.startswith("cost.kv"), "verdict"])
+    md = run_compare(load_results(root), tmp_path / "out").markdown.read_text()
+    assert "**by construction**" in md and "variant/baseline 1/4 (computed from the config)" in md
+
+
+# -- statistics: Holm and the minimum detectable difference ------------------------------------------------------
+def test_holm_verdicts_withdraw_what_the_family_does_not_support():
+    assert holm_verdict("worse", "agree", 0.01) == "agree"
+    assert holm_verdict("worse", "agree", 0.09) == "inconclusive"
+    assert holm_verdict("same", "disagree", 0.2) == "consistent"
+    assert holm_verdict("worse", "inconclusive", float("nan")) == "inconclusive"
+    assert holm_verdict("better", "by construction", float("nan")) == "by construction"
+
+
+def test_nsp_effects_map_to_the_glue_columns_with_per_task_verdicts(tmp_path, effects):
+    root = make_nsp_glue_sweep(tmp_path / "nsp", nsp_effect=3.0)
+    tested, untested = compare_effects(load_results(root), effects)
+    by_id = tested.set_index("effect_id")
+    assert set(by_id.index) == {e for e in effects["effect_id"] if e.startswith("no-nsp")}
+    sst2 = by_id.loc["no-nsp-devlin-sst2"]
+    assert (sst2["our_metric"], sst2["our_n_pairs"], sst2["our_scale"]) == ("SST-2/accuracy", 3, "0-100")
+    assert sst2["our_baseline_label"] == "baseline" and sst2["our_variant_label"] == "nsp=false"
+    assert sst2["our_diff"] < 0 and sst2["verdict"] == "disagree"  # Devlin: -0.1 ('same'); ours -3 points
+    assert by_id.loc["no-nsp-devlin-qnli", "verdict"] == "not measured"  # QNLI is not in the sweep
+    assert "pairs are pretrain seeds" in sst2["comparability"]
+    # Holm over the effects this report tested
+    tested_p = tested["p_value"].tolist()
+    assert tested["holm_p"].tolist() == pytest.approx(holm_adjust(tested_p), nan_ok=True)
+    assert int(tested["holm_family"].iloc[0]) == sum(not math.isnan(p) for p in tested_p) == 3
+    # the minimum detectable difference from the paired sd, in points (the published effect's units)
+    assert sst2["our_mde"] == pytest.approx(minimum_detectable_difference(sst2["our_sd"], 3))
+    assert sst2["same_units"] and sst2["published_effect"] == pytest.approx(-0.1)
+
+
+def test_an_inconclusive_effect_states_whether_the_seeds_could_have_detected_the_published_size(tmp_path):
+    root = make_nsp_glue_sweep(tmp_path / "nsp0", nsp_effect=0.0)
+    comparison = run_compare(load_results(root), tmp_path / "out")
+    by_id = comparison.effects.set_index("effect_id")
+    sst2 = by_id.loc["no-nsp-devlin-sst2"]
+    if sst2["verdict"] != "consistent":
+        pytest.skip("the synthetic noise happened to give a significant difference")
+    assert sst2["published_effect_detectable"] == "no"  # 0.1 points is far below what 3 pretraining seeds resolve
+    md = comparison.markdown.read_text()
+    assert "the seeds could not have detected an effect of the published size (-0.1)" in md
+    assert "effects were tested here" in md and "Holm" in md
+    assert (tmp_path / "out" / "compare_effects.csv").is_file()
+    written = pd.read_csv(tmp_path / "out" / "compare_effects.csv")
+    for col in ("p_value", "holm_p", "holm_verdict", "our_mde", "same_units", "published_effect_detectable",
+                "our_split", "our_scale", "our_ratio"):
+        assert col in written, col
+
+
+def test_a_pipeline_sweep_names_its_unit_and_model_variant(tmp_path, published):
+    root = make_nsp_glue_sweep(tmp_path / "nspm", nsp_effect=3.0)
+    measurements = sweep_measurements(load_results(root))
+    base = [m for m in measurements if m.key == "glue:sst2:accuracy"][0]
+    assert base.source == "sweep nsp-glue: baseline (3 pretraining runs, each the mean of 2 fine-tuning seeds)"
+    assert base.model_variant == "pretrained:mlm+nsp" and len(base.values) == 3
+    numbers = compare_numbers(measurements, published)
+    assert _row(numbers, "devlin18-t5-nsp-sst2")["comparable"]
+    assert not _row(numbers, "devlin18-t5-nonsp-sst2")["comparable"]
