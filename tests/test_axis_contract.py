@@ -28,6 +28,19 @@ def test_a_norm_without_its_parameter_count_is_refused_when_registered():
     assert "forgetful" not in registry
 
 
+@pytest.mark.parametrize("axis", list(AXES))
+def test_every_axis_refuses_a_value_that_leaves_its_abstract_methods_out(axis):
+    contract = AXES[axis].contract
+    registry = AxisRegistry(axis, contract)
+    empty = type("Empty", (contract,), {"__doc__": "Implements nothing of its contract."})
+    with pytest.raises(TypeError) as err:
+        registry.register("empty")(empty)
+    message = str(err.value)
+    assert "Empty" in message and contract.__abstractmethods__  # the class, and every method it left out
+    assert all(method in message for method in contract.__abstractmethods__), message
+    assert "empty" not in registry
+
+
 def test_a_value_needs_a_description_a_unique_name_and_the_axis_contract():
     registry = AxisRegistry("norm", NormType)
 
@@ -81,9 +94,30 @@ def test_ropes_even_head_dimension_rule_lives_on_rope():
     ModelConfig(**cfg, position="alibi")
 
 
+def test_sinusoidal_and_t5_bias_rules_live_on_their_classes():
+    base = dict(arch="decoder", n_heads=1, n_layers=1, vocab_size=10, max_seq_len=8)
+    with pytest.raises(ConfigError, match="position: sinusoidal needs an even d_model"):
+        ModelConfig(**base, d_model=15, position="sinusoidal")
+    ModelConfig(**base, d_model=15, position="learned")
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**base, d_model=16, position="t5_bias", rel_buckets=2, rel_max_distance=1)
+    assert {p.split(":")[0] for p in err.value.problems} == {"rel_buckets", "rel_max_distance"}
+    ModelConfig(**base, d_model=16, position="rope", rel_buckets=2, rel_max_distance=1)  # only t5_bias reads them
+
+
 def test_learned_positions_declare_how_far_they_reach():
+    from study.config import ExperimentConfig
+
     cfg = ModelConfig(arch="decoder", d_model=32, n_heads=2, n_layers=1, vocab_size=10, max_seq_len=8)
-    assert POSITIONS["learned"].max_positions(cfg) == 8 and POSITIONS["rope"].max_positions(cfg) is None
+    assert POSITIONS["learned"].max_positions(cfg) == 8
+    assert all(POSITIONS[p].max_positions(cfg) is None for p in POSITIONS if POSITIONS[p].extrapolates)
+    # the experiment asks the scheme how far it reaches: a learned table stops at model.max_seq_len
+    model = {"arch": "decoder", "d_model": 32, "n_heads": 2, "n_layers": 1, "max_seq_len": 16}
+    with pytest.raises(ConfigError) as err:
+        ExperimentConfig.from_dict({"model": {**model, "position": "learned"}, "task": {"seq_len": 32}})
+    [problem] = [p for p in err.value.problems if p.startswith("task.seq_len:")]
+    assert "model.max_seq_len=16" in problem
+    ExperimentConfig.from_dict({"model": {**model, "position": "rope"}, "task": {"seq_len": 32}})
 
 
 @pytest.mark.parametrize("axis, value", [(a, v) for a, r in AXES.items() for v in r.names()])

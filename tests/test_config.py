@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from study.config import PRESETS, ConfigError, ModelConfig, TrainConfig, axis_choices, parse_overrides, preset
 from study.axes import ACTIVATIONS, AXES, NORMS
+from study.config import PRESETS, ConfigError, ModelConfig, TrainConfig, axis_choices, parse_overrides, preset
 
 
 def problems_of(**fields):

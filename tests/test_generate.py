@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from study.axes import POSITIONS
 from study.config import ModelConfig
 from study.model import build_model
 from study.model.generate import beam_search, greedy_decode, length_normalise, sample
@@ -203,12 +204,7 @@ def test_beam_size_one_equals_greedy(seed, eos):
         assert beam_search(model, src, mask, beam_size=1, length_penalty=alpha, **kw) == greedy
 
 
-POSITION_CASES = [
-    dict(position="sinusoidal"),
-    dict(position="rope"),
-    dict(position="alibi"),
-    dict(position="t5_bias"),
-    dict(position="learned"),
+POSITION_CASES = [dict(position=p) for p in POSITIONS.names()] + [  # every registered scheme, then:
     dict(position="rope", n_kv_heads=2),  # GQA
     dict(position="t5_bias", n_kv_heads=1),  # MQA
     dict(position="alibi", n_kv_heads=2, window=3),  # GQA + sliding window
@@ -301,7 +297,7 @@ def test_length_normalise_is_the_gnmt_penalty():
     assert length_normalise(-2.0, 10, 2.0) == pytest.approx(-2.0 / 6.25)
 
 
-@pytest.mark.parametrize("position", ["learned", "rope", "alibi"])
+@pytest.mark.parametrize("position", POSITIONS.names())
 def test_sample_at_temperature_zero_is_the_argmax_of_the_full_forward(position):
     model = tiny_model(6, arch="decoder", position=position, n_kv_heads=2)
     prompt = torch.randint(0, V, (3, 4), generator=torch.Generator().manual_seed(6))

@@ -21,16 +21,19 @@ from study.tasks.glue.data import GlueDataModule
 from study.tasks.glue.module import GlueModule
 from study.tasks.glue.pretrained import pretrained_config
 from study.tasks.glue.submission import format_prediction
-
-
-def resolve_model(cfg):
-    return family("glue").resolve(cfg)
 from study.tasks.pretrain import CLS, SEP
 from test_data import FakeSplit
 from test_pretrain_task import BASE as PRETRAIN_BASE
 from test_pretrain_task import write_wikitext
 
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def resolve_model(cfg):
+    """The suite's config with its model taken from the pretrained run (the GLUE family's `resolve` hook)."""
+    return family("glue").resolve(cfg)
+
+
 GOOD = "good great fine lovely superb".split()
 BAD = "bad awful poor dull boring".split()
 FILL = "the film movie plot was a with and very".split()

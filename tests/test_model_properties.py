@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+from study.axes import POSITIONS as POSITION_REGISTRY
+from study.axes.position import RotaryPosition, alibi_slopes, apply_rotary
 from study.config import ConfigError, ModelConfig, axis_choices
 from study.model import KVCache, build_model
 from study.model.attention import attention_bias
-from study.axes import POSITIONS as POSITION_REGISTRY
-from study.axes.position import RotaryPosition, alibi_slopes, apply_rotary
 
 V = 50
 POSITIONS = POSITION_REGISTRY.names()
@@ -46,7 +46,7 @@ def test_causal_models_never_see_the_future(arch, position, window):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("position", ["rope", "alibi", "learned"])
+@pytest.mark.parametrize("position", POSITIONS)
 def test_tokens_outside_the_window_have_no_influence(causal, position):
     window = 3
     arch = "decoder" if causal else "encoder"

@@ -19,7 +19,7 @@ from study.model.accounting import parameter_count
 def test_scalenorm_is_g_times_x_over_its_l2_norm_with_one_parameter():
     norm = ScaleNorm(8)
     assert [p.numel() for p in norm.parameters()] == [1] and ScaleNorm.num_parameters(8, True) == 1
-    assert float(norm.scale) == pytest.approx(math.sqrt(8))  # unit RMS at initialisation, as LayerNorm's output
+    assert norm.scale.item() == pytest.approx(math.sqrt(8))  # unit RMS at initialisation, as LayerNorm's output
     x = torch.randn(3, 5, 8)
     expected = math.sqrt(8) * x / x.norm(dim=-1, keepdim=True)
     assert torch.allclose(norm(x), expected, atol=1e-6)
@@ -28,6 +28,7 @@ def test_scalenorm_is_g_times_x_over_its_l2_norm_with_one_parameter():
         norm.scale.fill_(2.0)
     assert torch.allclose(norm(x).norm(dim=-1), torch.full((3, 5), 2.0), atol=1e-5)
     assert torch.isfinite(norm(torch.zeros(2, 8))).all()  # eps keeps a zero vector finite
+    assert norm(x.bfloat16()).dtype == torch.bfloat16  # the norm is taken in float32, the output keeps the input's dtype
 
 
 @pytest.mark.parametrize("arch", ["encoder", "decoder", "encoder-decoder"])
@@ -50,23 +51,29 @@ def test_a_decoder_with_scalenorm_trains():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.5
 
 
-def test_study_axes_lists_it_and_a_sweep_dry_run_accepts_it(tmp_path, capsys):
+def test_study_axes_lists_it(capsys):
     from study.cli import main
 
     assert "scalenorm" in NORMS
     assert main(["axes"]) == 0
-    assert "scalenorm" in capsys.readouterr().out
+    assert "    scalenorm    ScaleNorm" in capsys.readouterr().out
+
+
+def test_a_dry_run_plans_a_study_over_it(tmp_path, capsys):
+    """`study sweep SPEC --dry-run` accepts model.norm: [rmsnorm, scalenorm] (--peak-flops: no benchmark runs)."""
+    from study.cli import main
+
     spec = {"name": "norms", "base": {"model": {"preset": "gpt2", "d_model": 32, "n_layers": 1, "n_heads": 2,
                                                 "max_seq_len": 16},
                                       "task": {"name": "lm", "dataset": "tinyshakespeare", "seq_len": 16},
                                       "train": {"max_steps": 2}},
-            "axes": {"model.norm": ["layernorm", "scalenorm"]}, "seeds": [0]}
+            "axes": {"model.norm": ["rmsnorm", "scalenorm"]}, "seeds": [0]}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     assert main(["sweep", str(path), "--dry-run", "--peak-flops", "1e11", "--results", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
-    assert "norm=scalenorm" in out and "dry run: nothing was run" in out
+    assert "rmsnorm, scalenorm" in out and "norm=scalenorm" in out and "dry run: nothing was run" in out

@@ -21,7 +21,6 @@ from study.config import ExperimentConfig, PipelineConfig, content_hash, load_ex
 from study.record import RunDir
 from study.run import run_experiment
 from study.sweep import SweepOptions, SweepSpecError, run_sweep
-from test_glue_task import MODEL as GLUE_MODEL
 from test_glue_task import TRAIN as GLUE_TRAIN
 from test_glue_task import write_glue
 from test_pretrain_task import BASE as PRETRAIN_BASE

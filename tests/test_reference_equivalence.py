@@ -21,11 +21,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
 
+from study.axes.position import AlibiPosition, T5RelativeBias, alibi_slopes, t5_relative_bucket  # noqa: E402
 from study.config.model import ModelConfig  # noqa: E402
 from study.interop.hf import UnsupportedHFModel, config_from_hf, from_hf  # noqa: E402
 from study.interop.torch_nn import block_from_torch, rmsnorm_from_torch, run_block  # noqa: E402
 from study.model.attention import KVCache  # noqa: E402
-from study.axes.position import AlibiPosition, T5RelativeBias, alibi_slopes, t5_relative_bucket  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -366,6 +366,23 @@ def test_add_commands_registers_on_a_parent_parser():
     assert args.command == "compare" and args.runs == ["a.json", "b.json"] and callable(args.func)
 
 
+def test_a_sweeps_comparison_is_the_sweeps_alone_unless_runs_are_named(tmp_path, monkeypatch):
+    """So `make compare` regenerates a study's committed compare.md whatever else bench/results holds."""
+    import argparse
+
+    from study.report.cli import _runs, add_commands
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "run-x.json").write_text("{}")
+    parser = argparse.ArgumentParser(prog="study")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    assert _runs(parser.parse_args(["compare", "results/x"])) == []
+    assert _runs(parser.parse_args(["compare", "results/x", "--runs", "bench/results/run-*.json"])) == \
+        ["bench/results/run-x.json"]
+    assert _runs(parser.parse_args(["compare", "--runs", "bench/results/run-*.json"])) == ["bench/results/run-x.json"]
+
+
 # -- declarations: never guessed, never another column -----------------------------------------------------------
 def test_declarations_of_the_fixture_are_the_task_families():
     """The synthetic plan.json carries the task families' own declarations (skipped where study.tasks does not

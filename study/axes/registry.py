@@ -70,5 +70,3 @@ class AxisRegistry(Generic[T]):
 
     def describe(self, name: str) -> str:
         return self._descriptions[name]
-
-    doc = describe

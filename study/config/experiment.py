@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from study.config.base import Config, ConfigError, Problems, parse_overrides
 from study.config.model import ModelConfig
@@ -115,14 +114,14 @@ class ExperimentConfig(Config):
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> "ExperimentConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"experiment config {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(cls.__name__, [f"{path}: not valid YAML: {err}"]) from None
-        return cls.from_dict(apply_overrides(data, overrides))
+        """An experiment YAML with `--set` overrides applied (a pipeline YAML is refused: `load_experiment`
+        reads either)."""
+        from study.config.pipeline import load_experiment
+
+        cfg = load_experiment(path, overrides)
+        if not isinstance(cfg, cls):
+            raise ConfigError(cls.__name__, [f"{path}: a pipeline of stages, not one experiment"])
+        return cfg
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

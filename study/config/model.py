@@ -21,6 +21,8 @@ DEFAULT_OBJECTIVE = {arch: obj for obj, arch in OBJECTIVES.items()}
 
 def axis_choices() -> dict[str, list[str]]:
     """Valid values of every enumerated axis: the architectures and objectives, and the registered axis values."""
+    # Imported here, not at the top: `import study.config` stays light (no torch). The dependency still points
+    # down: study.axes imports nothing from study.config.
     from study.axes import AXES
 
     return {"arch": list(ARCHS), "objective": list(OBJECTIVES), **{k: r.names() for k, r in AXES.items()}}
@@ -78,7 +80,7 @@ class ModelConfig(Config):
 
     @property
     def resolved_d_ff(self) -> int:
-        from study.axes import ACTIVATIONS, default_d_ff
+        from study.axes import ACTIVATIONS, default_d_ff  # lazily, as in axis_choices: study.config stays torch-free
 
         return self.d_ff if self.d_ff is not None else default_d_ff(self.d_model, ACTIVATIONS[self.activation].gated)
 
@@ -141,11 +143,12 @@ class ModelConfig(Config):
 
     def _validate_axes(self, p: Problems) -> None:
         """Each registry-backed axis: a registered value, and that value's own rules for the rest of the config."""
-        from study.axes import AXES
+        from study.axes import AXES  # lazily, as in axis_choices: study.config stays torch-free
 
         for name, registry in AXES.items():
-            if p.choice(name, getattr(self, name), registry.names()) and self.n_heads >= 1 and self.d_model >= 1:
-                registry[getattr(self, name)].validate(self, p)
+            value = getattr(self, name)
+            if p.choice(name, value, registry.names()):
+                registry[value].validate(self, p)
 
     def _validate_span(self, p: Problems) -> None:
         if self.window is not None:

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from study.axes.norm import RMSNorm
 from study.config.model import ModelConfig
 from study.model.attention import attention_bias
-from study.axes.norm import RMSNorm
 from study.model.transformer import Block, StackInputs
 
 __all__ = [

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from study.model.attention import KVCache
 from study.axes import POSITIONS
+from study.model.attention import KVCache
 from study.model.transformer import DecoderLM, EncoderDecoderLM
 
 

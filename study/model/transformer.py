@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from study.axes import ACTIVATIONS, NORM_POSITIONS, make_norm, make_position
 from study.config.model import ModelConfig
 from study.model.attention import Attention, KVCache, attention_bias
-from study.axes import ACTIVATIONS, NORM_POSITIONS, make_norm, make_position
 from study.model.ffn import FeedForward
 from study.model.loss import linear_cross_entropy
 from study.model.precision import autocast_dtype

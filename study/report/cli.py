@@ -31,6 +31,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> list[str]:
+    """The recorded runs to compare: those `--runs` names; with no results directory, every recorded run. A sweep's
+    comparison is the sweep's alone unless runs are named, so `make compare` regenerates its committed compare.md
+    whatever else bench/results holds."""
     if args.no_runs:
         return []
     if args.runs:
@@ -38,7 +41,7 @@ def _runs(args: argparse.Namespace) -> list[str]:
         for pattern in args.runs:
             paths += sorted(glob.glob(pattern)) or [pattern]
         return paths
-    return sorted(glob.glob(DEFAULT_RUNS))
+    return [] if args.results else sorted(glob.glob(DEFAULT_RUNS))
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -87,7 +90,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                                             "published numbers with their comparability stated.")
     cmp.add_argument("results", nargs="?", help="the sweep's results directory (optional when --runs is given)")
     cmp.add_argument("--runs", nargs="+", metavar="RUN",
-                     help=f"recorded runs (run-*.json) or run directories to compare too (default: {DEFAULT_RUNS})")
+                     help="recorded runs (run-*.json) or run directories to compare too (default: none with a results "
+                          f"directory, else {DEFAULT_RUNS})")
     cmp.add_argument("--no-runs", action="store_true", help="compare the sweep only")
     cmp.add_argument("--out", help="output directory (default: reports/<sweep>)")
     cmp.set_defaults(func=_cmd_compare)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from study.config import ExperimentConfig, PipelineConfig, content_hash
+from study.config import PipelineConfig, content_hash
 from study.config.pipeline import stage_ref
 from study.io import atomic_write_json, atomic_write_text
 from study.model.precision import resolve_precision
@@ -97,7 +97,7 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
 def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, Any]]], wall: float) -> dict:
     """The last stage's metrics and cost, each earlier stage's under its name, and where every stage ran."""
     names = list(ran)
-    last_name, (_, last) = names[-1], ran[names[-1]]
+    _, last = ran[names[-1]]
     complete = len(ran) == len(cfg.stages) and last["status"] == COMPLETED
     metrics = dict(last["metrics"]) if complete else {}
     declared = dict(last.get("declared") or {}) if complete else {}

@@ -67,7 +67,7 @@ def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> li
                   for i in range(tune["trials"])]
         chosen = (tuned or {}).get(point, {}).get("point")
         if chosen:
-            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, config_point=chosen)
+            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, runs_point=chosen)
                       for s in plan["seeds"]]
     return specs
 

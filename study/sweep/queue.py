@@ -48,18 +48,20 @@ class TrialSpec:
     seed: int
     label: str
     kind: str = "seed"  # 'seed': a trial the report compares; 'tune': a tuning-mode search trial
-    config_point: str | None = None  # the config it runs when not the point's own (a tuned point)
+    runs_point: str | None = None  # the point whose config (and run directory) it runs, when not its own: a seed
+    # trial of tuning mode runs its point's tuned config
 
     def attrs(self) -> dict[str, Any]:
         out = {"key": self.key, "point": self.point, "seed": self.seed, "label": self.label, "kind": self.kind}
-        if self.config_point:
-            out["config_point"] = self.config_point
+        if self.runs_point:
+            out["runs_point"] = self.runs_point
         return out
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> "TrialSpec":
         return cls(key=attrs["key"], point=attrs["point"], seed=int(attrs["seed"]), label=attrs.get("label", ""),
-                   kind=attrs.get("kind", "seed"), config_point=attrs.get("config_point"))
+                   kind=attrs.get("kind", "seed"),
+                   runs_point=attrs.get("runs_point", attrs.get("config_point")))  # (its earlier name)
 
 
 @dataclass

@@ -91,7 +91,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     for s in specs:
         if s.kind != "seed":  # a tuning trial's config is sampled when it starts: nothing to find on disk
             continue
-        metrics = layout.run(s.config_point or s.point, s.seed).finished()
+        metrics = layout.run(s.runs_point or s.point, s.seed).finished()
         value = metric_value(metrics, plan.metric) if metrics is not None else None
         if metrics is not None and (value is not None or metrics["status"] != "completed"):
             finished[s.key] = value  # (a completed run without the objective is a failure, not a result)
@@ -179,7 +179,7 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> str:
         lines.append(f"queue ({redact(url)}): " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     except Exception as err:  # status still reports the files when the queue is unreachable
         lines.append(f"queue ({redact(url)}) unavailable: {redact(str(err)).splitlines()[0]}")
-    on_disk = sum(layout.run(s.config_point or s.point, s.seed).finished() is not None for s in specs)
+    on_disk = sum(layout.run(s.runs_point or s.point, s.seed).finished() is not None for s in specs)
     lines.append(f"finished seed-trial run directories: {on_disk}/{len(plan['points']) * len(plan['seeds'])}")
     return "\n".join(lines)
 

@@ -91,13 +91,13 @@ def start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], c
     cfg = experiment_from_dict(data)
     digest = content_hash(cfg)
     atomic_write_text(layout.point_config(digest), cfg.replace(name=f"point-{digest}").to_yaml())
-    queue.storage.set_trial_user_attr(claimed.trial_id, "config_point", digest)
+    queue.storage.set_trial_user_attr(claimed.trial_id, "runs_point", digest)
     queue.storage.set_trial_user_attr(claimed.trial_id, "tuned_value", value)
     return digest, study, trial
 
 
 def finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,
-                         study, trial, config_point: str, status: str, value: float | None, tell: bool = True) -> None:
+                         study, trial, runs_point: str, status: str, value: float | None, tell: bool = True) -> None:
     """Tell TPE the outcome, record it in tuned.json, and settle the point if its tuning is over."""
     import math
 
@@ -113,8 +113,8 @@ def finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, 
         tuned = read_tuned(layout)
         entry = tuned.setdefault(point, {"field": tune["field"], "trials": []})
         entry["trials"].append({"key": claimed.spec.key, "value": trial.params.get(tune["field"]), "status": status,
-                                "objective": value, "config_point": config_point,
-                                "run_dir": str(layout.run_dir(config_point, claimed.spec.seed))})
+                                "objective": value, "runs_point": runs_point,
+                                "run_dir": str(layout.run_dir(runs_point, claimed.spec.seed))})
         atomic_write_json(layout.tuned_path, tuned)
         settle_tuning_locked(queue, layout, plan, [point])
 
@@ -143,7 +143,7 @@ def settle_tuning_locked(queue: TrialQueue, layout: SweepLayout, plan: dict[str,
             chosen = best and next((t for t in entry["trials"] if t["status"] == "completed"
                                     and t["value"] == best.params[tune["field"]]), None)
             if chosen:
-                entry.update(value=chosen["value"], objective=best.value, point=chosen["config_point"])
+                entry.update(value=chosen["value"], objective=best.value, point=chosen["runs_point"])
             else:
                 entry["error"] = "no tuning trial finished; the point's seeds cannot run"
             changed = True

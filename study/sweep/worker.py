@@ -96,21 +96,13 @@ class TrialPruned(Exception):
     """The tuning pruner stopped this tuning trial early."""
 
 
-class TrialLost(Exception):
-    """Another worker declared this worker's trial lost and re-queued it."""
-
-
-class TrialPruned(Exception):
-    """The tuning pruner stopped this tuning trial early."""
-
-
 @dataclass
 class Attempt:
     """One attempt at a claimed trial: where it runs, its file record and, in tuning mode, its TPE trial."""
 
     claimed: Claimed
     run_dir: Path
-    config_point: str
+    runs_point: str
     record: dict[str, Any]
     tuning: tuple | None = None  # (Optuna study, Optuna trial) of a tuning trial
 
@@ -126,13 +118,13 @@ class Attempt:
 
 
 def _start(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any]) -> Attempt:
-    config_point, tuning_pair = claimed.spec.config_point or claimed.spec.point, None
+    runs_point, tuning_pair = claimed.spec.runs_point or claimed.spec.point, None
     if claimed.spec.kind == "tune":
-        config_point, study, tune_trial = tuning.start_tuning(queue, layout, plan, claimed)
+        runs_point, study, tune_trial = tuning.start_tuning(queue, layout, plan, claimed)
         tuning_pair = (study, tune_trial)
-    run_dir = layout.run_dir(config_point, claimed.spec.seed)
+    run_dir = layout.run_dir(runs_point, claimed.spec.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
-    attempt = Attempt(claimed, run_dir, config_point,
+    attempt = Attempt(claimed, run_dir, runs_point,
                       {"id": f"{plan['sweep']}#{claimed.number}", "trial": claimed.number,
                        "attempt": claimed.attempt, "worker": queue.worker, "started": time.time(),
                        "kind": claimed.spec.kind}, tuning_pair)
@@ -140,8 +132,8 @@ def _start(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[
     return attempt
 
 
-def _command(layout: SweepLayout, attempt: Attempt, opts: "WorkerOptions") -> tuple[list[str], dict[str, str]]:
-    cmd = [sys.executable, "-m", "study.sweep.trial", "--config", str(layout.point_config(attempt.config_point)),
+def _command(layout: SweepLayout, attempt: Attempt, opts: WorkerOptions) -> tuple[list[str], dict[str, str]]:
+    cmd = [sys.executable, "-m", "study.sweep.trial", "--config", str(layout.point_config(attempt.runs_point)),
            "--seed", str(attempt.claimed.spec.seed), "--run-dir", str(attempt.run_dir), "--runner", opts.runner]
     if opts.data_dir:
         cmd += ["--data-dir", str(opts.data_dir)]
@@ -177,7 +169,7 @@ def _stop(child: subprocess.Popen) -> None:
 
 
 def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any],
-              opts: "WorkerOptions") -> str:
+              opts: WorkerOptions) -> str:
     """Run one claimed trial in a subprocess; returns completed, diverged, failed, pruned or lost."""
     sweep = plan["sweep"]
     attempt = _start(queue, layout, claimed, plan)
@@ -195,7 +187,7 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
             _stop(child)
             attempt.write(sweep, ended=time.time(), outcome="pruned")
             queue.finish(claimed, "pruned", pruning.last, {"run_dir": str(attempt.run_dir)})
-            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.config_point, "pruned",
+            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point, "pruned",
                                        pruning.last)
             return "pruned"
         except TrialLost:
@@ -226,7 +218,7 @@ def _settle(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attemp
                      {"run_dir": str(attempt.run_dir), "steps": record.get("steps"),
                       "diverged_at_step": record.get("diverged_at_step")})
         if attempt.tuning:
-            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.config_point,
+            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point,
                                        record["status"], value)
         return record["status"]
     retry = True
@@ -244,7 +236,7 @@ def _settle(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attemp
     if attempt.tuning:
         attempt.tell_failed()
         if not requeued:  # this tuning trial failed for good: the point's tuning may now be settled
-            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.config_point,
+            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point,
                                        "failed", None, tell=False)
     return "failed"
 
@@ -254,23 +246,6 @@ def _numeric_metrics(record: dict[str, Any]) -> dict[str, float]:
 
     return {k: v for k, v in flatten_record(record).items() if k.startswith("metric.")
             and isinstance(v, float) and math.isfinite(v)}
-
-
-@dataclass
-class WorkerOptions:
-    data_dir: str | None = None
-    cache_dir: str | None = None
-    threads: int = 1
-    runner: str = DEFAULT_RUNNER
-    poll_s: float = 2.0
-    max_trials: int | None = None  # stop after this many (tests)
-
-
-@dataclass
-class WorkerSummary:
-    ran: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    lost: list[str] = field(default_factory=list)
 
 
 def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> WorkerSummary:
@@ -306,7 +281,7 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
 def _objective_text(layout: SweepLayout, claimed: Claimed, plan: dict[str, Any]) -> str:
     """', valid_loss 1.4821' for a finished trial: each trial's number as it finishes, not only at the end."""
     metric = plan["objective"]["metric"]
-    point = claimed.spec.config_point or claimed.spec.point
+    point = claimed.spec.runs_point or claimed.spec.point
     record = RunDir(layout.run_dir(point, claimed.spec.seed)).finished()
     value = metric_value(record, metric) if record else None
     return f", {metric} {value:.4g}" if value is not None else ""

@@ -1,0 +1,108 @@
+"""A spec whose swept value would not reach the trained model, or whose objective the task does not declare, is
+refused before anything runs, with one message naming the axis and why (the cases a new user met: two identical
+GLUE scores for `model.nsp: [true, false]`, one architecture trained under `task.init_from` for every `model.norm`,
+`valid_loss` stored as inf for GLUE, a count "maximized" as a pretraining objective)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from study.sweep import SweepOptions, SweepSpecError, expand, load_spec, run_sweep
+from study.sweep.plan import check
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENTS = REPO / "experiments"
+GLUE = {"base": str(EXPERIMENTS / "glue_finetune.yaml"),
+        "set": {"task.init_from": None, "train.precision": "32-true", "task.vocab_size": 1000,
+                "model.type_vocab_size": 2, "task.finetune_seeds": []}}
+PRETRAIN = {"base": str(EXPERIMENTS / "wikitext2_bert_pretrain_nsp.yaml"), "set": {"train.precision": "32-true"}}
+LM = {"base": str(EXPERIMENTS / "ablation_base.yaml")}
+
+
+def plan_of(tmp_path: Path, **spec):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "seeds": [0], **spec}, sort_keys=False))
+    return expand(*load_spec(path))
+
+
+def refused(tmp_path: Path, **spec) -> str:
+    with pytest.raises(SweepSpecError) as err:
+        check(plan_of(tmp_path, **spec))
+    return str(err.value)
+
+
+def test_nsp_in_a_glue_sweep_is_refused_because_the_nsp_head_is_never_trained(tmp_path):
+    text = refused(tmp_path, **GLUE, axes={"model.nsp": [True, False]})
+    assert "axes.nsp: model.nsp does not reach the trained model" in text and "pretraining stage" in text
+
+
+def test_model_axes_under_init_from_are_refused_naming_each(tmp_path):
+    spec = {**GLUE, "set": {**GLUE["set"], "task.init_from": "runs/some-pretrain-run"}}
+    text = refused(tmp_path, **spec, axes={"model.norm": ["rmsnorm", "layernorm"], "model.position": ["rope", "alibi"]})
+    assert "axes.norm: model.norm does not reach" in text and "axes.position: model.position does not reach" in text
+    assert "task.init_from takes the architecture from the pretrained run" in text
+    # the fine-tuning regularisation is this config's and reaches the model; what stops this spec is only that the
+    # pretrained run it names does not exist, which the dry run finds by resolving the config
+    spec["set"]["task.per_task"] = {}  # (the shipped config sets CoLA's dropout itself)
+    text = refused(tmp_path, **spec, axes={"model.dropout": [0.1, 0.0]})
+    assert "task.init_from: runs/some-pretrain-run does not exist" in text and "does not reach" not in text
+
+
+def test_a_glue_sweep_of_fine_tuning_settings_is_accepted(tmp_path):
+    plan = plan_of(tmp_path, **{**GLUE, "set": {**GLUE["set"], "task.per_task": {}}},
+                   axes={"model.dropout": [0.1, 0.0], "train.lr": [1e-3, 3e-4]})
+    check(plan)
+    assert plan.objective == {"metric": "glue_score", "direction": "maximize", "scale": "0-100", "task": "glue"}
+
+
+def test_a_setting_per_task_overrides_is_refused_and_so_are_seeds_the_task_does_not_read(tmp_path):
+    text = refused(tmp_path, **{**GLUE, "set": {**GLUE["set"], "task.finetune_seeds": [0, 1]}},
+                   axes={"train.lr": [1e-3, 3e-4]})
+    assert "task.per_task sets it for cola, mrpc, rte" in text
+    assert "seeds: the sweep's seeds set train.seed, which task 'glue' does not read here" in text
+
+
+@pytest.mark.parametrize("base, objective, message", [
+    (GLUE, {"metric": "valid_loss"}, "'valid_loss' is not a metric task 'glue' writes"),
+    (PRETRAIN, {"metric": "valid_loss"}, "'valid_loss' is not a metric task 'pretrain' writes"),
+    (PRETRAIN, {"metric": "valid_masked_tokens"}, "bookkeeping, not a quality measure"),
+    (LM, {"metric": "bleu"}, "'bleu' is not a metric task 'lm' writes"),
+    (LM, {"metric": "test_loss"}, "tinyshakespeare has no test split"),
+    (LM, {"metric": "valid_loss", "direction": "maximize"}, "declared minimize"),
+])
+def test_an_objective_the_task_does_not_declare_is_refused(tmp_path, base, objective, message):
+    axis = {"model.norm": ["layernorm", "rmsnorm"]}
+    assert message in refused(tmp_path, **base, axes=axis, objective=objective)
+
+
+@pytest.mark.parametrize("base, metric, direction", [
+    (LM, "valid_loss", "minimize"), (PRETRAIN, "valid_mlm_loss", "minimize"), (GLUE, "glue_score", "maximize"),
+])
+def test_each_task_family_has_its_own_default_objective_with_its_declared_direction(tmp_path, base, metric,
+                                                                                      direction):
+    axes = {"train.weight_decay": [0.1, 0.01]}
+    if base is GLUE:
+        base = {**GLUE, "set": {**GLUE["set"], "task.per_task": {}}}
+    plan = plan_of(tmp_path, **base, axes=axes)
+    check(plan)
+    assert (plan.objective["metric"], plan.objective["direction"]) == (metric, direction)
+
+
+def test_a_field_the_task_never_reads_is_refused(tmp_path):
+    text = refused(tmp_path, **LM, axes={"task.beam_size": [4, 5], "train.label_smoothing": [0.0, 0.1]})
+    assert "axes.beam_size: task.beam_size does not reach the trained model: task 'lm' does not read it" in text
+    assert "label_smoothing" not in text  # language modelling reads it
+    text = refused(tmp_path, **PRETRAIN, axes={"train.label_smoothing": [0.0, 0.1]})
+    assert "train.label_smoothing does not reach the trained model: task 'pretrain' does not read it" in text
+    assert "model.vocab_size" in refused(tmp_path, **LM, axes={"model.vocab_size": [100, 200]})
+
+
+def test_a_refused_spec_writes_nothing(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", **GLUE, "axes": {"model.nsp": [True, False]}, "seeds": [0]}))
+    with pytest.raises(SweepSpecError, match="nothing was run"):
+        run_sweep(path, SweepOptions(results=tmp_path / "results", estimate_rate=1e11), say=lambda s: None)
+    assert not (tmp_path / "results").exists()
