@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -75,7 +76,17 @@ def test_a_three_seed_glue_record_is_n3_with_its_per_seed_values(tmp_path, publi
     assert row["our_n"] == 3 and row["our_mean"] == pytest.approx(81.0) and row["our_sd"] == pytest.approx(1.0)
     assert row["ours"] == "run glue-run (3 fine-tuning seeds, 1 pretraining run)"
     assert "one seed" not in row["ours"] and "(n=1)" not in row["ours"]
-    assert row["comparable"] and row["comparability"].startswith("same metric variant, split and model variant")
+    assert row["same_model_variant"] and row["same_metric_variant"] and row["same_split"]
+    assert not row["same_size"] and not row["comparable"]  # a 1-layer test encoder beside BERT-base
+
+
+def test_a_model_twenty_times_smaller_is_not_directly_comparable(tmp_path, published):
+    """Scale changes the number: a 5M-parameter encoder beside BERT-base (110M) is shown, never called comparable."""
+    run = glue_run(tmp_path, PRETRAINED_NSP)
+    measurement = replace(run_measurements([run])[0], params=5.35e6)
+    row = _row(compare_numbers([measurement], published), "devlin18-t5-nsp-sst2")
+    assert not row["comparable"] and row["size_ratio"] == "1/20.6"
+    assert "different size (parameters ours/published 1/20.6)" in row["comparability"]
 
 
 def test_a_schema1_glue_record_is_put_on_0_100_by_its_rule(tmp_path, published):
@@ -102,12 +113,13 @@ def test_recorded_glue_runs_count_their_seeds_and_name_their_pretraining(publish
                                                 BENCH / "run-glue-random-init.json"]), published)
     sst2 = numbers[numbers["published_id"] == "devlin18-t5-nsp-sst2"].set_index("ours")
     nsp = sst2.loc["run glue-from-nsp (3 fine-tuning seeds, 1 pretraining run)"]
-    assert nsp["our_n"] == 3 and nsp["our_model_variant"] == "pretrained:mlm+nsp" and nsp["comparable"]
+    assert nsp["our_n"] == 3 and nsp["our_model_variant"] == "pretrained:mlm+nsp" and nsp["same_model_variant"]
+    assert not nsp["comparable"] and "different size" in nsp["comparability"]  # 4 layers x 256 beside BERT-base
     assert 70 < nsp["our_mean"] < 90  # 0-100, not a fraction
     nonsp = sst2.loc["run glue-from-nonsp (3 fine-tuning seeds, 1 pretraining run)"]
-    assert nonsp["our_model_variant"] == "pretrained:mlm" and not nonsp["comparable"]
+    assert nonsp["our_model_variant"] == "pretrained:mlm" and not nonsp["same_model_variant"]
     rand = sst2.loc["run glue-random-init (3 fine-tuning seeds, random initialisation)"]
-    assert rand["our_model_variant"] == "random-init" and not rand["comparable"]
+    assert rand["our_model_variant"] == "random-init" and not rand["same_model_variant"]
 
 
 # -- comparability requires the same model variant ------------------------------------------------------------------
@@ -119,7 +131,7 @@ def test_an_mlm_only_record_beside_devlins_mlm_plus_nsp_is_not_comparable_and_sa
                                            "pretraining; published: MLM + NSP pretraining)")
     assert nsp["size_ratio"] != "" and nsp["compute_ratio"]  # size and compute ratios stay
     nonsp = _row(numbers, "devlin18-t5-nonsp-sst2")  # the same variant: Devlin's MLM-only row
-    assert nonsp["comparable"] and nonsp["published_model_variant"] == "pretrained:mlm"
+    assert nonsp["same_model_variant"] and nonsp["published_model_variant"] == "pretrained:mlm"
 
 
 def test_a_random_init_record_beside_bert_base_is_not_comparable(tmp_path, published):
@@ -160,7 +172,7 @@ def test_a_schema1_tiny_shakespeare_record_has_no_test_split(tmp_path, published
     assert measurements and {m.split for m in measurements} == {"validation"}
     comparison = run_compare(None, tmp_path, runs=[run])
     nano = _row(comparison.numbers, "nanogpt-shakespeare-char-val")
-    assert nano["split"] == "validation" and nano["comparable"]
+    assert nano["split"] == "validation" and nano["same_split"] and nano["same_metric_variant"]
     assert "`tinyshakespeare`: our records have no test split" in comparison.markdown.read_text()
 
 
@@ -243,5 +255,5 @@ def test_a_pipeline_sweep_names_its_unit_and_model_variant(tmp_path, published):
     assert base.source == "sweep nsp-glue: baseline (3 pretraining runs, each the mean of 2 fine-tuning seeds)"
     assert base.model_variant == "pretrained:mlm+nsp" and len(base.values) == 3
     numbers = compare_numbers(measurements, published)
-    assert _row(numbers, "devlin18-t5-nsp-sst2")["comparable"]
-    assert not _row(numbers, "devlin18-t5-nonsp-sst2")["comparable"]
+    assert _row(numbers, "devlin18-t5-nsp-sst2")["same_model_variant"]
+    assert not _row(numbers, "devlin18-t5-nonsp-sst2")["same_model_variant"]

@@ -194,6 +194,7 @@ def test_collect_reads_csv_only_and_plan_only(tmp_path):
 def test_figures_exist_and_are_not_empty(report):
     kinds = {f.kind for f in report.figures}
     assert {"metric", "curves", "cost", "extrapolation", "grad_norms"} <= kinds
+    assert all(f.paths for f in report.figures)  # every run directory is there: every figure drawn
     for f in report.figures:
         for p in f.paths:
             assert p.is_file() and p.stat().st_size > 1000, p
@@ -278,7 +279,44 @@ def test_grid_design_gets_a_heatmap(tmp_path):
     figs = make_figures(r, tmp_path / "out", formats=("png",), kinds=("heatmap", "curves"))
     heat = [f for f in figs if f.kind == "heatmap"]
     assert len(heat) == 1 and heat[0].n_series == 6  # 2 norm positions x 3 position schemes
-    assert not [f for f in figs if f.kind == "curves"]  # no run directories: no curves, no failure
+    curves = [f for f in figs if f.kind == "curves"]  # no run directories: no curves, no failure, and a reason
+    assert curves and all(not f.paths and "no logged curves" in f.reason for f in curves)
+
+
+def test_a_clean_clone_draws_the_curves_from_the_committed_curves_file(tmp_path):
+    """No run directory is committed; results/<sweep>/curves.parquet (written by `study results`) holds the curves,
+    and the report draws the same curve and gradient-norm figures from it."""
+    import shutil
+
+    from study.sweep.results import curves_table
+
+    root = make_synthetic_sweep(tmp_path / "s", partial=False, problems=False, seeds=(0, 1))
+    with_runs = load_results(root)
+    kinds = ("curves", "grad_norms")
+    drawn = make_figures(with_runs, tmp_path / "a", formats=("png",), kinds=kinds)
+    curves_table(with_runs.table, root).to_parquet(root / "curves.parquet", index=False)
+    shutil.rmtree(root / "runs")
+    clone = load_results(root)
+    redrawn = make_figures(clone, tmp_path / "b", formats=("png",), kinds=kinds)
+    assert [(f.name, f.series) for f in redrawn] == [(f.name, f.series) for f in drawn]
+    assert all(f.paths for f in redrawn) and len(redrawn) >= 3
+    row = clone.table.iloc[0]
+    pd.testing.assert_frame_equal(clone.curves(row)[with_runs.curves(row).columns], with_runs.curves(row),
+                                  check_dtype=False)
+
+
+def test_a_report_removes_stale_figures_and_names_those_it_cannot_draw(tmp_path):
+    root = make_synthetic_sweep(tmp_path / "s", partial=False, problems=False, with_runs=False, seeds=(0, 1))
+    stale = tmp_path / "out" / "figures" / "lm-curves-renamed-axis.png"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
+    output = build_report(root, tmp_path / "out", formats=("png",))
+    assert not stale.exists()
+    assert sorted(p.name for p in stale.parent.iterdir()) == sorted(p.name for f in output.figures for p in f.paths)
+    md = output.markdown.read_text()
+    not_drawn = md.split("Figures not drawn, and why:", 1)[1]
+    assert "training and validation curves, position (lm): no logged curves" in not_drawn
+    assert "per-layer gradient norms, post- vs pre-norm (lm): no logged curves" in not_drawn
 
 
 # -- report.md / report.html -------------------------------------------------------------------------------------------
@@ -537,3 +575,15 @@ def test_a_glue_study_reports_every_task_with_its_fine_tuning_spread_and_the_pre
     stage = md[md.index("### The pretrain stage"):]
     assert "valid_mlm_loss_full_sentences" in stage and "valid_nsp_accuracy" in stage
     assert "valid_masked_tokens" not in stage  # bookkeeping is not a quality metric
+
+
+def test_the_report_states_the_sweeps_measured_wall_time_and_each_trials(tmp_path):
+    root = make_synthetic_sweep(tmp_path / "s", axes={"norm": ["rmsnorm", "layernorm"]}, partial=False,
+                                problems=False, with_runs=False, seeds=(0, 1))
+    (root / "invocations.json").write_text(json.dumps([
+        {"wall_seconds": 200.0, "workers": 2, "threads": 1}, {"wall_seconds": 100.0, "workers": 2, "threads": 1}]))
+    md = build_report(root, tmp_path / "out", formats=("png",), kinds=("metric",)).markdown.read_text()
+    assert "Wall-clock time of the sweep: 5.0 min over 2 `study sweep` command(s) (2 worker(s) x 1 thread(s)" in md
+    header = next(line for line in md.splitlines() if line.startswith("| variant | n / planned"))
+    assert header.rstrip(" |").endswith("wall time per trial (min)")
+    assert "| 2.3 |" in md  # 140 s a trial

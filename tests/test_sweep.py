@@ -189,6 +189,28 @@ def test_a_sweep_runs_every_trial_once_and_a_second_run_runs_nothing(tmp_path):
     assert set(completions(results).values()) == {1}
 
 
+def test_the_results_folder_keeps_every_trials_curves_and_survives_without_its_run_directories(tmp_path,
+                                                                                                  monkeypatch):
+    """A clean clone has results/<sweep>/ but no run directories: rebuilding the table there must keep every
+    committed row and curve, not turn finished trials back into 'pending'."""
+    import shutil
+
+    from study.sweep.results import write_table
+
+    monkeypatch.setenv("STUDY_FAKE_CURVE", "1")
+    run_sweep(write_spec(tmp_path, seeds=[0]), opts(tmp_path), say=lambda s: None)
+    sweep = tmp_path / "results" / "t"
+    table, curves = pd.read_parquet(sweep / "results.parquet"), pd.read_parquet(sweep / "curves.parquet")
+    assert sorted(curves.trial_key.unique()) == sorted(table.trial_key) and len(curves) == 2 * 4
+    assert list(curves.columns[:3]) == ["trial_key", "stage", "step"] and curves["val/loss"].notna().all()
+    shutil.rmtree(tmp_path / "results" / "runs")
+    write_table(sweep)
+    again = pd.read_parquet(sweep / "results.parquet")
+    assert list(again.status) == ["completed", "completed"]
+    pd.testing.assert_frame_equal(again[table.columns], table, check_dtype=False)
+    pd.testing.assert_frame_equal(pd.read_parquet(sweep / "curves.parquet"), curves, check_dtype=False)
+
+
 def test_a_metric_that_does_not_apply_is_a_missing_number_in_the_table(tmp_path):
     path = write_spec(tmp_path, seeds=[0], axes={"model.position": ["rope", "learned"]})
     run_sweep(path, opts(tmp_path), say=lambda s: None)

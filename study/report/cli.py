@@ -26,7 +26,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     results = load_results(args.results)
     print(f"study report: {status_sentence(results)}" + (" (partial: the sweep is still running or incomplete)"
                                                         if results.is_partial else ""))
-    print(f"  {output.markdown}\n  {output.html}\n  {len(output.figures)} figures in {output.out / 'figures'}")
+    drawn = [f for f in output.figures if f.paths]
+    print(f"  {output.markdown}\n  {output.html}\n  {len(drawn)} figures in {output.out / 'figures'}"
+          + (f"; {len(output.figures) - len(drawn)} not drawn (report.md says why)" if len(drawn) < len(output.figures)
+             else ""))
     return 0
 
 

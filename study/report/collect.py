@@ -5,6 +5,7 @@
                                       family's declarations: its metrics (direction, scale, whether it may rank a
                                       sweep), its default objective and its comparable training curves
     results/<sweep>/spec.yaml         the sweep spec as written
+    results/<sweep>/curves.parquet    every trial's training curves (used when its run directory is not here)
 
 Directions and scales are read from those declarations (and, for `cost.*`, from `study.record.COSTS`), never
 guessed from a metric's name: a metric nobody declared has no direction, and a plan.json written before
@@ -27,8 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from study.io import read_json_or_none
-from study.record import COSTS, STATUSES
+from study.record import COSTS, STATUSES, RunDir
 
 NOT_RUN = ("running", "pending")
 # `<split>_ppl_by_length.<L>` and `<split>_ppl_at_2x`: the LM task's extrapolation metrics, on the corpus's last
@@ -366,27 +366,58 @@ class SweepResults:
     def _curves(self) -> dict[str, pd.DataFrame]:
         return {}
 
-    def curves(self, row: pd.Series, stage: str | None = None) -> pd.DataFrame | None:
-        """The trial's logs/metrics.csv (sparse Lightning rows), or None when absent or unreadable; `stage`: the
-        curves of that stage of a study in stages (its run directory is in the trial's metrics.json)."""
+    @cached_property
+    def invocations(self) -> list[dict]:
+        """results/<sweep>/invocations.json: each `study sweep` command's measured wall time, workers and threads."""
+        path = self.root / "invocations.json"
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else []
+        except (OSError, ValueError):
+            return []
+        return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
+
+    @cached_property
+    def curves_file(self) -> pd.DataFrame | None:
+        """results/<sweep>/curves.parquet (every trial's curves, committed with the table), or None."""
+        path = self.root / "curves.parquet"
+        try:
+            return pd.read_parquet(path) if path.is_file() else None
+        except (OSError, ValueError, ImportError):
+            return None
+
+    def _stage_run_dir(self, row: pd.Series | dict, stage: str | None) -> Path | None:
         run_dir = self.run_dir(row)
         if run_dir is not None and stage is not None:
-            record = read_json_or_none(run_dir / "metrics.json") or {}
+            record = RunDir(run_dir).read() or {}
             stage_dir = ((record.get("stages") or {}).get(stage) or {}).get("run_dir")
             run_dir = self.run_dir({"run_dir": stage_dir}) if stage_dir else None
-        if run_dir is None:
-            return None
-        key = str(run_dir)
+        return run_dir
+
+    def curves(self, row: pd.Series, stage: str | None = None) -> pd.DataFrame | None:
+        """The trial's training curves (sparse Lightning rows with a `step` column), or None: from its run
+        directory's logs when it is here (a sweep still running), else from the committed curves.parquet; `stage`:
+        the curves of that stage of a study in stages."""
+        run_dir = self._stage_run_dir(row, stage)
+        key = f"{run_dir}" if run_dir is not None else f"{row.get('trial_key')}:{stage or ''}"
         if key not in self._curves:
-            path = run_dir / "logs" / "metrics.csv"
-            try:
-                frame = pd.read_csv(path) if path.is_file() else None
-            except (OSError, ValueError, pd.errors.ParserError):
-                frame = None
-            if frame is not None and "step" not in frame:
-                frame = None
-            self._curves[key] = frame
+            self._curves[key] = self._read_curves(run_dir) if run_dir is not None else self._stored_curves(row, stage)
         return self._curves[key]
+
+    @staticmethod
+    def _read_curves(run_dir: Path) -> pd.DataFrame | None:
+        try:
+            frame = pd.read_csv(RunDir(run_dir).curves) if RunDir(run_dir).curves.is_file() else None
+        except (OSError, ValueError, pd.errors.ParserError):
+            frame = None
+        return frame if frame is not None and "step" in frame else None
+
+    def _stored_curves(self, row: pd.Series | dict, stage: str | None) -> pd.DataFrame | None:
+        stored = self.curves_file
+        if stored is None or "trial_key" not in stored:
+            return None
+        frame = stored[(stored["trial_key"] == row.get("trial_key")) & (stored["stage"].fillna("") == (stage or ""))]
+        frame = frame.drop(columns=["trial_key", "stage"]).dropna(axis=1, how="all")
+        return frame.reset_index(drop=True) if len(frame) and "step" in frame else None
 
     def point_config(self, label: str) -> dict:
         """The planned config of the point `label` (an experiment, or a pipeline {name, stages})."""

@@ -6,8 +6,9 @@ Two comparisons:
   under a `match` key (`tinyshakespeare:loss`, `multi30k:de-en:bleu`, `glue:qnli:accuracy`, ...) beside the
   published rows with that key. A pair is *comparable* only when the metric variant (`variant_key`: scorer,
   tokenization, casing, unit), the split and the model variant (`model_variant`: trained from scratch, pretrained
-  with MLM + NSP or MLM only, randomly initialised) are the same; otherwise the row says what differs. Model size
-  (and training compute, where the publication gives it) is stated as a ratio.
+  with MLM + NSP or MLM only, randomly initialised) and the model size (within 2x in parameters) are the same;
+  otherwise the row says what differs. Size and training compute (where the publication gives it) are stated as
+  ratios.
 * effects: for each published ablation effect whose axis the sweep varies, our paired difference (same seeds)
   beside the published direction: agree / disagree / inconclusive (our interval contains zero); 'consistent' where
   the publication reports no clear difference and our interval contains zero; 'by construction' where our metric is
@@ -54,14 +55,18 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"{r:.3g}×" if r >= 1 else f"1/{1 / r:.3g}"
 
 
+SIZE_FACTOR = 2.0  # models further apart than this in parameters are not compared directly: scale changes the number
+
+
 def _same_model_variant(m: Measurement, pub: pd.Series) -> bool:
     theirs = str(pub.get("model_variant", "") or "")
     return not theirs or m.model_variant == theirs
 
 
 def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
-    """(comparable, sentence): comparable only when the metric variant, the split and the model variant (where
-    the published row states one) are the same; otherwise every difference is named."""
+    """(comparable, sentence): comparable only when the metric variant, the split, the model variant (where the
+    published row states one) and the size (within a factor SIZE_FACTOR in parameters, where both are known) are the
+    same; otherwise every difference is named."""
     same_variant = m.variant_key == pub["variant_key"]
     same_split = m.split.lower() == str(pub["split"]).lower()
     same_model = _same_model_variant(m, pub)
@@ -73,13 +78,18 @@ def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
         parts.append(f"different metric variant (ours: {m.variant_words}; published: {pub['metric_variant']})")
     if not same_split:
         parts.append(f"different split (ours: {m.split}; published: {pub['split']})")
-    comparable = same_variant and same_split and same_model
-    notes = []
+    pub_params = float(pub["params_m"]) * 1e6 if pd.notna(pub.get("params_m")) else math.nan
+    size = m.params / pub_params if m.params and math.isfinite(m.params) and pub_params > 0 else math.nan
+    same_size = not math.isfinite(size) or 1 / SIZE_FACTOR <= size <= SIZE_FACTOR
+    if not same_size:
+        parts.append(f"different size (parameters ours/published {_ratio(m.params, pub_params)})")
+    comparable = same_variant and same_split and same_model and same_size
+    notes = [] if math.isfinite(size) else ["size not known on both sides"]
     if "community" in str(pub["verification"]).lower():
         notes.append("community result, not a peer-reviewed number")
     elif "secondary" in str(pub["verification"]).lower():
         notes.append("published number from a secondary transcription")
-    head = ("same metric variant, split and model variant" if comparable
+    head = ("same metric variant, split, model variant and size" if comparable
             else "NOT directly comparable: " + "; ".join(parts))
     return comparable, head + ("; " + "; ".join(notes) if notes else "")
 
@@ -109,7 +119,8 @@ def compare_numbers(measurements: list[Measurement], published: pd.DataFrame) ->
                 "published_variant_key": pub["variant_key"], "verification": pub["verification"],
                 "same_metric_variant": m.variant_key == pub["variant_key"],
                 "same_split": m.split.lower() == str(pub["split"]).lower(),
-                "same_model_variant": _same_model_variant(m, pub), "comparable": comparable,
+                "same_model_variant": _same_model_variant(m, pub), "same_size": "different size" not in text,
+                "comparable": comparable,
                 "comparability": text, "size_ratio": _ratio(m.params, pub_params),
                 "compute_ratio": _ratio(m.train_flops, pub_flops) if math.isfinite(pub_flops) else "not published",
             })
@@ -367,7 +378,8 @@ def _numbers_section(doc: Doc, numbers: pd.DataFrame, measurements_note: list[st
         return
     n_comp = int(numbers["comparable"].sum())
     doc.p(f"{len(numbers)} pairs; {n_comp} directly comparable (same metric variant, split and model variant: "
-          "trained from scratch, pretrained with MLM + NSP or MLM only, or randomly initialised). Every other row "
+          "trained from scratch, pretrained with MLM + NSP or MLM only, or randomly initialised; and a size within "
+          f"{SIZE_FACTOR:g}x in parameters where both are known). Every other row "
           "says what differs and is shown for orientation only. n counts what varies in our runs, as each source "
           "says (seeds; a GLUE record's fine-tuning seeds); one value has no interval.")
     rows = []

@@ -77,6 +77,7 @@ class FigureInfo:
     axis: str | None
     series: list[str]
     paths: list[Path] = field(default_factory=list)
+    reason: str | None = None  # why it was not drawn (then `paths` is empty)
 
     @property
     def n_series(self) -> int:
@@ -194,7 +195,7 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
     if not handles:
         handles, names = axes[0].get_legend_handles_labels()
     if handles:
-        axes[1].legend(handles, names, fontsize=7, loc="upper right")
+        fig.legend(handles, names, fontsize=7, loc="outside right upper")  # beside the panels, never on data
     fig.suptitle(f"{title}\nmean over seeds; band: min to max over seeds", fontsize=10)
     fig._study_columns = (curves["train"], curves["valid"])
     return _finish(fig, [lbl for lbl in labels if lbl in series])
@@ -295,7 +296,7 @@ def plot_extrapolation(done: pd.DataFrame, variants: list[tuple[str, str]], pale
     ax.set_title(f"{title}\nlength extrapolation: mean and 95% t band over seeds", fontsize=10)
     ax.grid(alpha=0.3)
     if series:
-        ax.legend(fontsize=7)
+        fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="outside right upper")
     return _finish(fig, series)
 
 
@@ -349,8 +350,9 @@ def plot_grad_norms(results: SweepResults, rows: pd.DataFrame, variants: list[tu
         ax.set_ylabel("gradient L2 norm")
         ax.set_title(name, fontsize=10)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    handles, names = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, fontsize=7, loc="outside right upper")
     fig.suptitle(f"{title}\nper-layer gradient norms, mean over seeds", fontsize=10)
     return _finish(fig, series)
 
@@ -409,6 +411,7 @@ class _TaskFigures:
     task: str
     palette: dict
     emit: object  # emit(fig, name, title, kind, task, axis=None)
+    skip: object  # skip(name, title, kind, task, axis, reason): a figure the results cannot draw, and why
 
     def __post_init__(self) -> None:
         r, task = self.results, self.task
@@ -448,9 +451,12 @@ class _TaskFigures:
             for axis, group in groups.items():
                 fig = plot_curves(self.results, self.rows, group, self.palette,
                                   f"{self.head}: {where}training curves, {axis}", task=task, stage=stage)
+                name = f"{self.prefix}{stage + '-' if stage else ''}curves-{axis}"
+                title = f"{where}training and validation curves, {axis}"
                 if fig._study_series:
-                    self.emit(fig, f"{self.prefix}{stage + '-' if stage else ''}curves-{axis}",
-                              f"{where}training and validation curves, {axis}", "curves", self.task, axis)
+                    self.emit(fig, name, title, "curves", self.task, axis)
+                else:
+                    self.skip(name, title, "curves", self.task, axis, NO_CURVES)
 
     def cost(self) -> None:
         fig = plot_quality_vs_cost(self.done, self.labels, self.mcol, self.direction, self.palette, self.head,
@@ -476,9 +482,11 @@ class _TaskFigures:
             return
         fig = plot_grad_norms(self.results, self.rows, self.one_factor["norm_position"], self.palette,
                               f"{self.head}: norm position")
+        name, title = f"{self.prefix}grad-norms-norm_position", "per-layer gradient norms, post- vs pre-norm"
         if fig._study_series:
-            self.emit(fig, f"{self.prefix}grad-norms-norm_position", "per-layer gradient norms, post- vs pre-norm",
-                      "grad_norms", self.task, "norm_position")
+            self.emit(fig, name, title, "grad_norms", self.task, "norm_position")
+        else:
+            self.skip(name, title, "grad_norms", self.task, "norm_position", NO_CURVES)
 
     def heatmap(self) -> None:
         """Two-axis grids only."""
@@ -494,9 +502,14 @@ class _TaskFigures:
                       "heatmap", self.task, f"{a}×{b}")
 
 
+NO_CURVES = ("no logged curves: neither the trials' run directories nor the results folder's curves.parquet hold "
+             "them")
+
+
 def make_figures(results: SweepResults, out: str | Path, formats=("png", "svg"), kinds=KINDS) -> list[FigureInfo]:
     """Every figure the results allow, saved under <out>/figures/ (PNG and SVG by default); `kinds`
-    restricts which families are drawn."""
+    restricts which families are drawn. A figure the results cannot draw is returned with its reason and no paths;
+    figure files of an earlier report that this one did not draw are removed, so no stale figure is left behind."""
     out = Path(out) / "figures"
     palette = variant_palette(results.variant_order, results.baseline_label)
     infos: list[FigureInfo] = []
@@ -505,9 +518,16 @@ def make_figures(results: SweepResults, out: str | Path, formats=("png", "svg"),
         paths = save_figure(fig, out, slug(name), formats)
         infos.append(FigureInfo(slug(name), title, kind, task, axis, list(getattr(fig, "_study_series", [])), paths))
 
+    def skip(name: str, title: str, kind: str, task: str, axis: str | None, reason: str):
+        infos.append(FigureInfo(slug(name), title, kind, task, axis, [], [], reason))
+
     for task in results.tasks:
-        figures = _TaskFigures(results, task, palette, emit)
+        figures = _TaskFigures(results, task, palette, emit, skip)
         for kind in KINDS:
             if kind in kinds:
                 getattr(figures, kind)()
+    if set(kinds) == set(KINDS) and out.is_dir():
+        drawn = {p for f in infos for p in f.paths}
+        for stale in [p for p in out.iterdir() if p.suffix in (".png", ".svg", ".pdf") and p not in drawn]:
+            stale.unlink()
     return infos

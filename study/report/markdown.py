@@ -25,6 +25,7 @@ COST_COLUMNS = (  # column, header, formatter
     ("cost.kv_cache_bytes_per_token", "KV bytes/token", "int"),
     ("cost.train_tokens_per_s", "train tokens/s", "int"),
     ("cost.peak_memory_bytes", "peak memory (MB)", "mb"),
+    ("cost.wall_seconds", "wall time per trial (min)", "min"),
 )
 
 
@@ -43,6 +44,8 @@ def fmt(x: Any, kind: str = "num") -> str:
         return f"{x:.3g}"
     if kind == "mb":
         return f"{x / 2**20:,.0f}"
+    if kind == "min":
+        return f"{x / 60:,.1f}"
     if kind == "signed":
         return f"{x:+.4g}"
     return f"{x:.4g}"
@@ -219,11 +222,16 @@ def build_doc(results: SweepResults, figures: list[FigureInfo], out: Path, gener
         _task_section(doc, results, task, figures, out)
     _problems_section(doc, results)
     doc.h(2, "Figures")
-    if figures:
+    drawn = [f for f in figures if f.paths]
+    if drawn:
         doc.ul([f"{f.title} ({f.task}): " + " · ".join(f"[{p.suffix[1:].upper()}]({p.relative_to(out).as_posix()})"
-                                                       for p in f.paths) for f in figures])
+                                                       for p in f.paths) for f in drawn])
     else:
         doc.p("No figures: no trial has completed yet.")
+    missing = [f for f in figures if not f.paths]
+    if missing:
+        doc.p("Figures not drawn, and why:")
+        doc.ul([f"{f.title} ({f.task}): {f.reason}" for f in missing])
     return doc
 
 
@@ -238,6 +246,7 @@ def _sweep_section(doc: Doc, results: SweepResults) -> None:
                 ", ".join(map(str, results.seeds)),
                 f"{results.baseline_label}" + (f" ({base_values})" if base_values else ""),
                 str(len(results.variant_order))]], align="lllll")
+    _wall_time(doc, results)
     if results.axes:
         fields = results.plan.get("axis_fields") or {}
         doc.table(["axis", "values (first: baseline)", "config fields"],
@@ -257,6 +266,16 @@ def _sweep_section(doc: Doc, results: SweepResults) -> None:
     if env:
         doc.h(3, "Environment")
         doc.ul(env)
+
+
+def _wall_time(doc: Doc, results: SweepResults) -> None:
+    """The sweep's measured wall-clock cost, from invocations.json (every `study sweep` command that ran it)."""
+    runs = [r for r in results.invocations if isinstance(r.get("wall_seconds"), (int, float))]
+    if not runs:
+        return
+    shapes = sorted({f"{r.get('workers', '?')} worker(s) x {r.get('threads', '?')} thread(s)" for r in runs})
+    doc.p(f"Wall-clock time of the sweep: {sum(r['wall_seconds'] for r in runs) / 60:,.1f} min over {len(runs)} "
+          f"`study sweep` command(s) ({', '.join(shapes)}; measured, `invocations.json`).")
 
 
 def _task_section(doc: Doc, results: SweepResults, task: str, figures: list[FigureInfo], out: Path) -> None:
@@ -285,7 +304,7 @@ def _task_section(doc: Doc, results: SweepResults, task: str, figures: list[Figu
     if task == "glue":
         _glue_tasks_section(doc, results, task, labels)
     _earlier_stages_section(doc, results, task, labels)
-    task_figs = [f for f in figures if f.task == task]
+    task_figs = [f for f in figures if f.task == task and f.paths]
     if task_figs:
         doc.h(3, "Figures")
         for f in task_figs:

@@ -6,6 +6,11 @@ stopped_by), `metric.<name>` (nested metrics flattened with '.'), `cost.<name>`,
 provenance (run_dir, env.*, data.fingerprint). Trials that never ran are rows with status
 'pending', so a partial sweep's table says what is missing.
 
+Beside it, `curves.parquet` holds every trial's training curves (each run's logs/metrics.csv, with `trial_key` and
+`stage` columns; a study in stages has one block per stage), so a report drawn from a clean clone, where no run
+directory is committed, draws the same figures. A trial whose run directory is not here (a clean clone, results
+copied without their runs) keeps the row and curves the folder already holds: rebuilding never loses a result.
+
 Labels come from what ran: each finished trial's `axis.<name>` is the axis value its resolved config.yaml holds
 (a pipeline: the config of the stage the axis belongs to), not the value the spec asked for.
 """
@@ -123,7 +128,10 @@ def _provenance(run: RunDir) -> dict[str, Any]:
     return {
         "env.git": (git.get("commit", "") + ("+dirty" if git.get("dirty") else "")) if isinstance(git, dict) else git,
         "env.torch": (env.get("packages") or {}).get("torch"),
-        "env.device": env.get("cuda") or env.get("device"),
+        "env.device": env.get("device"),  # the GPU's name, else the CPU's
+        "env.cpu_capability": env.get("cpu_capability"),  # AVX2, AVX512, ...
+        "env.native_bf16": env.get("native_bf16"),
+        "env.precision": env.get("precision"),
         "env.threads": env.get("torch_threads"),
         "data.fingerprint": hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16] if data else None,
     }
@@ -136,6 +144,7 @@ def build_table(sweep_dir: str | Path):
     layout = SweepLayout(Path(sweep_dir))
     plan = read_json(layout.plan_path)
     tuned = read_tuned(layout)
+    previous = {row["trial_key"]: row for row in _read_previous(layout.sweep_dir / "results").to_dict("records")}
     rows = []
     for p in plan["points"]:
         chosen = tuned.get(p["point"], {})
@@ -148,6 +157,8 @@ def build_table(sweep_dir: str | Path):
                     row.update(status="failed", error=chosen["error"])
             else:
                 row = trial_row(plan, p, s, layout.run_dir(p["point"], s))
+            if not Path(row["run_dir"]).is_dir() and row["trial_key"] in previous:
+                row = previous[row["trial_key"]]  # its run directory is not here: keep what the table recorded
             rows.append(row)
     df = pd.DataFrame(rows)
     for column in df.columns:  # a column mixing numbers and text (a task's own marker) is kept as text
@@ -159,10 +170,63 @@ def build_table(sweep_dir: str | Path):
     return df[first + rest]
 
 
+def _read_previous(stem: Path):
+    """The table written before (`<stem>.parquet`, else `<stem>.csv`), or an empty one."""
+    import pandas as pd
+
+    for path, read in ((stem.with_suffix(".parquet"), pd.read_parquet), (stem.with_suffix(".csv"), pd.read_csv)):
+        if path.is_file():
+            try:
+                return read(path)
+            except (OSError, ValueError, ImportError):
+                continue
+    return pd.DataFrame(columns=["trial_key"])
+
+
+def _run_curves(run_dir: Path, trial_key: str, stage: str):
+    import pandas as pd
+
+    path = RunDir(run_dir).curves
+    try:
+        frame = pd.read_csv(path) if path.is_file() else None
+    except (OSError, ValueError, pd.errors.ParserError):
+        return None
+    if frame is None or "step" not in frame or frame.empty:
+        return None
+    return frame.assign(trial_key=trial_key, stage=stage)
+
+
+def curves_table(df, sweep_dir: Path):
+    """Every trial's curves: its run's (stage "") and, for a study in stages, each stage's (`stages.<name>.run_dir`
+    in its record); trials whose run directory is not here keep the rows the folder's curves.parquet holds."""
+    import pandas as pd
+
+    previous = _read_previous(sweep_dir / "curves")
+    frames = []
+    for row in df.to_dict("records"):
+        run_dir = Path(str(row.get("run_dir") or ""))
+        if not run_dir.is_dir():
+            frames.append(previous[previous["trial_key"] == row["trial_key"]])
+            continue
+        record = RunDir(run_dir).read() or {}
+        parts = [(run_dir, "")] + [(Path(s["run_dir"]), name) for name, s in (record.get("stages") or {}).items()
+                                   if isinstance(s, dict) and s.get("run_dir")]
+        frames += [f for f in (_run_curves(d, row["trial_key"], stage) for d, stage in parts) if f is not None]
+    frames = [f for f in frames if not f.empty]
+    if not frames:
+        return None
+    curves = pd.concat(frames, ignore_index=True)
+    first = ["trial_key", "stage", "step"]
+    return curves[first + [c for c in curves.columns if c not in first]]
+
+
 def write_table(sweep_dir: str | Path):
-    """Rebuild and write results.parquet and results.csv atomically; returns the DataFrame."""
+    """Rebuild and write results.parquet, results.csv and curves.parquet atomically; returns the DataFrame."""
     sweep_dir = Path(sweep_dir)
     df = build_table(sweep_dir)
+    curves = curves_table(df, sweep_dir)
+    if curves is not None:
+        atomic_write(sweep_dir / "curves.parquet", lambda p: curves.to_parquet(p, index=False))
     atomic_write(sweep_dir / "results.csv", lambda p: df.to_csv(p, index=False))
     tuning = tuning_table(sweep_dir)
     if tuning is not None:
