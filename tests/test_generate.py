@@ -328,3 +328,25 @@ def test_sample_is_reproducible_with_a_generator_and_respects_top_k():
     top2 = logits.topk(2, dim=-1).indices
     new = out[:, prompt.shape[1] :]
     assert bool((top2 == new[..., None]).any(-1).all())
+
+
+@pytest.mark.parametrize("decode", ["greedy", "beam"])
+def test_the_measured_kv_cache_is_k_and_v_of_every_kept_position_and_shrinks_with_kv_heads(decode):
+    """`stats["kv_cache_bytes"]`, read off the cache's tensors, is K and V of n_kv_heads heads for every hypothesis,
+    every decoder layer and every position it holds (the tokens fed plus the encoder memory for cross-attention):
+    with every output run to its limit, MHA : GQA : MQA = 4 : 2 : 1 (Shazeer 2019; Ainslie et al. 2023)."""
+    src, mask = batch(4, lengths=(5, 3, 7, 1))
+    a, b, beam = 1.0, 2, (1 if decode == "greedy" else 3)
+    fed = int(a * 7 + b) + 1  # the longest limit, plus the step that feeds the forced EOS's predecessor
+    measured = {}
+    for kv in (4, 2, 1):
+        model = EOSBias(tiny_model(4, n_kv_heads=kv), bias=-1e4)  # EOS never wins: every output to its limit
+        stats: dict = {}
+        kw = dict(bos=BOS, eos=EOS, max_len_a=a, max_len_b=b, stats=stats)
+        greedy_decode(model, src, mask, **kw) if decode == "greedy" else beam_search(model, src, mask, beam_size=beam,
+                                                                                       **kw)
+        head_dim, layers = 32 // 4, 2
+        rows = src.shape[0] * beam
+        assert stats["kv_cache_bytes"] == 2 * kv * head_dim * 4 * rows * layers * (fed + src.shape[1])
+        measured[kv] = stats["kv_cache_bytes"]
+    assert measured[4] == 2 * measured[2] == 4 * measured[1]

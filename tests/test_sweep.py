@@ -211,6 +211,29 @@ def test_the_results_folder_keeps_every_trials_curves_and_survives_without_its_r
     pd.testing.assert_frame_equal(pd.read_parquet(sweep / "curves.parquet"), curves, check_dtype=False)
 
 
+def test_optunas_own_api_reads_each_trials_axis_values_as_params(tmp_path):
+    """optuna-dashboard and `trials_dataframe()` see what each trial varied: its axis values are Optuna params with
+    categorical distributions over the axis's values ('n/a' where a conditional axis does not apply)."""
+    import optuna
+
+    spec = write_spec(tmp_path, seeds=[0], design="grid", axes={
+        "model.norm_position": ["pre", "post"],
+        "span": {"global": {"model.window": None}, "local": {"model.window": 4}},
+        "window": {"field": "model.window", "values": [4, 8], "when": {"span": "local"}}})
+    run_sweep(spec, opts(tmp_path), say=lambda s: None)
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path / 'results' / 't' / 'study.db'}")
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 6
+    table = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet").set_index("trial_key")
+    for t in done:
+        row = table.loc[t.user_attrs["key"]]
+        assert t.params == {"norm_position": row["axis.norm_position"], "span": row["axis.span"],
+                            "window": row["axis.window"]}
+        assert t.distributions["norm_position"] == optuna.distributions.CategoricalDistribution(["pre", "post"])
+        assert t.distributions["window"] == optuna.distributions.CategoricalDistribution(["4", "8", "n/a"])
+    assert set(study.trials_dataframe()["params_span"].dropna()) == {"global", "local"}
+
+
 def test_a_metric_that_does_not_apply_is_a_missing_number_in_the_table(tmp_path):
     path = write_spec(tmp_path, seeds=[0], axes={"model.position": ["rope", "learned"]})
     run_sweep(path, opts(tmp_path), say=lambda s: None)

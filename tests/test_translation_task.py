@@ -199,6 +199,40 @@ def test_reported_bleu_is_sacrebleu_on_the_models_own_translations(trained, data
     assert trained["metrics"]["metrics"]["bleu"] > 0.0
 
 
+def test_the_sacrebleu_command_line_rescores_the_saved_hypotheses(trained, data_root, tmp_path):
+    """hypotheses/<test set>.en holds the detokenized translations; the `sacrebleu` CLI on them against the
+    references gives the recorded score and signature."""
+    import subprocess
+    import sys
+
+    _, dm, _ = reload(trained, data_root)
+    final = trained["metrics"]["metrics"]["test_sets"]
+    for split in TEST_SETS:
+        hyp_file = trained["run_dir"] / "hypotheses" / f"{split}.en"
+        assert len(hyp_file.read_text().splitlines()) == SIZES[split]
+        ref_file = tmp_path / f"{split}.ref.en"
+        ref_file.write_text("".join(r + "\n" for r in dm.corpus.targets(split)))
+        out = subprocess.run([sys.executable, "-m", "sacrebleu", str(ref_file), "-i", str(hyp_file), "-m", "bleu",
+                              "chrf", "-w", "6"], capture_output=True, text=True, check=True).stdout
+        bleu, chrf = json.loads(out)
+        assert bleu["score"] == pytest.approx(final[split]["bleu"], abs=1e-5)
+        assert chrf["score"] == pytest.approx(final[split]["chrf"], abs=1e-5)
+        assert bleu["signature"] == final[split]["bleu_signature"]
+        assert chrf["signature"] == final[split]["chrf_signature"]
+
+
+def test_decoding_records_the_kv_cache_it_measured(trained, data_root):
+    """kv_cache_peak_bytes is read off the cache's tensors while the test set is decoded: K and V of 2 heads in
+    float32 for every beam of a batch, and decoding again measures the same."""
+    module, dm, cfg = reload(trained, data_root)
+    recorded = trained["metrics"]["metrics"]["test_sets"]["test_2016_flickr"]["kv_cache_peak_bytes"]
+    per_position = 2 * cfg.model.resolved_n_kv_heads * cfg.model.resolved_head_dim * 4  # K and V, float32
+    assert recorded > 0 and recorded % (per_position * cfg.task.beam_size) == 0
+    stats = {}
+    module.translate(dm.corpus.sources("test_2016_flickr"), dm, stats=stats)
+    assert stats["kv_cache_bytes"] == recorded
+
+
 def test_training_reduced_the_validation_loss(trained, data_root):
     import lightning as L
 

@@ -48,12 +48,19 @@ def _max_lengths(model, src_mask: torch.Tensor | None, src: torch.Tensor, a: flo
 
 
 @torch.no_grad()
+def _note_cache(dec: _Decoder, stats: dict | None) -> None:
+    """Record the KV cache's bytes at the end of decoding (its largest: it only grows) in `stats`."""
+    if stats is not None and dec.cache is not None:
+        stats["kv_cache_bytes"] = max(stats.get("kv_cache_bytes", 0), dec.cache.nbytes())
+
+
 def greedy_decode(
     model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, max_len_a: float = 1.2, max_len_b: int = 10,
-    use_cache: bool = True,
+    use_cache: bool = True, stats: dict | None = None,
 ) -> list[list[int]]:
     """Most probable next token at each step, up to a * |src| + b tokens (then EOS is forced, as in
-    fairseq; with learned positions at most max_seq_len - 1 tokens); EOS is not returned."""
+    fairseq; with learned positions at most max_seq_len - 1 tokens); EOS is not returned. `stats`, when given,
+    receives `kv_cache_bytes`: the most bytes the KV cache held (the largest over calls sharing the dict)."""
     max_len = _max_lengths(model, src_mask, src, max_len_a, max_len_b)
     dec = _Decoder(model, model.encode(src, src_mask), src_mask, use_cache)
     prefix = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)
@@ -65,6 +72,7 @@ def greedy_decode(
         done |= nxt == eos
         if bool(done.all()):
             break
+    _note_cache(dec, stats)
     out = []
     for row in prefix[:, 1:].tolist():
         out.append(row[: row.index(eos)] if eos in row else row)
@@ -79,9 +87,9 @@ def length_normalise(score: float, length: int, alpha: float) -> float:
 @torch.no_grad()
 def beam_search(
     model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, beam_size: int = 5, length_penalty: float = 1.0,
-    max_len_a: float = 1.2, max_len_b: int = 10, use_cache: bool = True,
+    max_len_a: float = 1.2, max_len_b: int = 10, use_cache: bool = True, stats: dict | None = None,
 ) -> list[list[int]]:
-    """Batched beam search on the KV cache. A sentence is finished once it holds
+    """Batched beam search on the KV cache (`stats`: as in greedy_decode). A sentence is finished once it holds
     `beam_size` hypotheses ending in EOS (fairseq's stopping rule); after a * |src| + b
     tokens (capped as in greedy_decode) EOS is forced. Hypotheses are scored by the log-probability
     of their tokens and the EOS, length-normalised over both; the best is returned, without EOS.
@@ -110,6 +118,7 @@ def beam_search(
         dec.reorder(index)
         prefix = torch.cat([prefix.index_select(0, index), new_tokens.view(-1, 1)], dim=1)
         scores = new_scores
+    _note_cache(dec, stats)
     return [max(f, key=lambda x: x[0])[1] if f else [] for f in search.finished]
 
 

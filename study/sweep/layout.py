@@ -59,17 +59,30 @@ def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> li
     tune = plan.get("tune") or {}
     specs: list[TrialSpec] = []
     for p in plan["points"]:
-        point, label = p["point"], p["label"]
+        point, label, axes = p["point"], p["label"], _axis_params(plan, p)
         if not tune:
-            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label) for s in plan["seeds"]]
+            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, axes=axes)
+                      for s in plan["seeds"]]
             continue
-        specs += [TrialSpec(key=f"{point}-tune{i}", point=point, seed=tune["seed"], label=label, kind="tune")
-                  for i in range(tune["trials"])]
+        specs += [TrialSpec(key=f"{point}-tune{i}", point=point, seed=tune["seed"], label=label, kind="tune",
+                            axes=axes) for i in range(tune["trials"])]
         chosen = (tuned or {}).get(point, {}).get("point")
         if chosen:
-            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, runs_point=chosen)
+            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, runs_point=chosen, axes=axes)
                       for s in plan["seeds"]]
     return specs
+
+
+def _axis_params(plan: dict[str, Any], point: dict[str, Any]) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """(axis, the point's value, every value of the axis) for each axis: the trial's Optuna params. A conditional
+    axis that does not apply to the point has the value 'n/a', which is then one of its choices."""
+    out = []
+    for name, label in (point.get("axes") or {}).items():
+        # Optuna keeps one distribution per param name for the whole study: the same choices for every point
+        used = [str(q.get("axes", {}).get(name)) for q in plan["points"] if name in q.get("axes", {})]
+        choices = dict.fromkeys([str(c) for c in (plan.get("axes") or {}).get(name, [])] + used)
+        out.append((name, str(label), tuple(choices)))
+    return tuple(out)
 
 
 def all_keys(plan: dict[str, Any]) -> list[str]:

@@ -50,18 +50,29 @@ class TrialSpec:
     kind: str = "seed"  # 'seed': a trial the report compares; 'tune': a tuning-mode search trial
     runs_point: str | None = None  # the point whose config (and run directory) it runs, when not its own: a seed
     # trial of tuning mode runs its point's tuned config
+    axes: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # (axis, its value's label, every label of the axis)
 
     def attrs(self) -> dict[str, Any]:
         out = {"key": self.key, "point": self.point, "seed": self.seed, "label": self.label, "kind": self.kind}
         if self.runs_point:
             out["runs_point"] = self.runs_point
+        if self.axes:
+            out["axes"] = {name: [label, list(choices)] for name, label, choices in self.axes}
         return out
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> "TrialSpec":
+        axes = tuple((name, str(v[0]), tuple(v[1])) for name, v in (attrs.get("axes") or {}).items())
         return cls(key=attrs["key"], point=attrs["point"], seed=int(attrs["seed"]), label=attrs.get("label", ""),
                    kind=attrs.get("kind", "seed"),
-                   runs_point=attrs.get("runs_point", attrs.get("config_point")))  # (its earlier name)
+                   runs_point=attrs.get("runs_point", attrs.get("config_point")),  # (its earlier name)
+                   axes=axes)
+
+    def params(self) -> tuple[dict[str, str], dict[str, Any]]:
+        """The axis values as Optuna params with categorical distributions, so that Optuna's own tools
+        (optuna-dashboard's parameter views, `study.trials_dataframe()`) show what each trial varied."""
+        params = {name: label for name, label, _ in self.axes}
+        return params, {name: optuna.distributions.CategoricalDistribution(choices) for name, _, choices in self.axes}
 
 
 @dataclass
@@ -194,9 +205,10 @@ class TrialQueue:
             attrs = spec.attrs()
             if spec.key in finished:
                 value = finished[spec.key]
+                params, distributions = spec.params()
                 self.study.add_trial(optuna.trial.create_trial(
-                    state=TrialState.COMPLETE, value=self._storable(value),
-                    user_attrs={**attrs, "from_files": True}))
+                    state=TrialState.COMPLETE, value=self._storable(value), params=params,
+                    distributions=distributions, user_attrs={**attrs, "from_files": True}))
                 added["recorded"] += 1
             else:
                 if record_gone:  # the completed trial(s) of this key no longer count as done
@@ -275,6 +287,10 @@ class TrialQueue:
                 self.storage.set_trial_user_attr(t._trial_id, "duplicate_of", duplicate)
                 self.storage.set_trial_state_values(t._trial_id, state=TrialState.PRUNED)
                 continue
+            params, distributions = spec.params()
+            for name, label in params.items():
+                distribution = distributions[name]
+                self.storage.set_trial_param(t._trial_id, name, distribution.to_internal_repr(label), distribution)
             return claimed
         return None
 

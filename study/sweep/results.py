@@ -74,16 +74,18 @@ def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
     if record is None:
         return None
     spec = SweepConfig.from_dict(plan["spec"])
+    applied = [a for a in spec.parsed_axes() if point["axes"].get(a.name) not in (None, "n/a")]
     out = {}
-    for axis in spec.parsed_axes():
-        asked = point["axes"].get(axis.name)
-        if asked is None or asked == "n/a":
-            continue
-        ran = {f: _resolved_value(run, record, f, spec.stage_names) for f in axis.values[asked]}
-        if all(v is None for v in ran.values()):
-            continue  # no resolved config to read (a stand-in run or an older record): the plan's label stands
+    for i, axis in enumerate(applied):
+        # a field a later axis of this point also sets is that axis's (a conditional axis refining this one's
+        # value, as `window` refines `span: local`): this axis is read on the fields left to it
+        later = {f for other in applied[i + 1:] for f in other.values[point["axes"][other.name]]}
+        own = [f for f in axis.values[point["axes"][axis.name]] if f not in later]
+        ran = {f: _resolved_value(run, record, f, spec.stage_names) for f in own}
+        if not own or all(v is None for v in ran.values()):
+            continue  # nothing of its own to read (or no resolved config: a stand-in run): the plan's label stands
         out[axis.name] = next((label for label, fields in axis.values.items()
-                               if all(ran.get(f, _MISSING) == v for f, v in fields.items())), "?")
+                               if all(ran.get(f, _MISSING) == v for f, v in fields.items() if f not in later)), "?")
     return out
 
 

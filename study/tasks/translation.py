@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from study.config import ExperimentConfig
+from study.io import atomic_write_text
 from study.model.generate import beam_search, greedy_decode
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
 from study.tasks.contract import MetricSpec, TaskFamily
@@ -36,6 +37,9 @@ class Translation(TaskFamily):
         MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points"),
         MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False,
                    description="wall time of beam-search decoding of the test set (a measured cost)"),
+        MetricSpec("test_sets.*.kv_cache_peak_bytes", "minimize", "bytes", "-", objective=False,
+                   description="the most bytes the KV cache held while a batch of 100 sentences was beam-searched "
+                               "(self- and cross-attention K/V, measured from the cache's tensors)"),
         MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False),
     )
     default_objective = "bleu"
@@ -117,6 +121,17 @@ class TranslationDataModule(StudyDataModule):
 
 
 class TranslationModule(StudyModule):
+    def __init__(self, cfg: ExperimentConfig):
+        super().__init__(cfg)
+        self.hypotheses: dict[str, list[str]] = {}  # test set -> detokenized translations, in corpus order
+
+    def save_outputs(self, run_dir: Path) -> None:
+        """hypotheses/<test set>.<target language>: one detokenized translation per line, in the test set's order,
+        so that the `sacrebleu` command line rescores the run (`sacrebleu REF -i HYP -m bleu chrf`)."""
+        for split, hyps in self.hypotheses.items():
+            text = "".join(h.replace("\n", " ") + "\n" for h in hyps)
+            atomic_write_text(Path(run_dir) / "hypotheses" / f"{split}.{self.cfg.task.tgt_lang}", text)
+
     def training_loss(self, batch) -> tuple[torch.Tensor, int]:
         logits = self.forward_model(batch["src"], batch["tgt_in"], batch["src_mask"])
         labels = batch["labels"]
@@ -133,8 +148,9 @@ class TranslationModule(StudyModule):
 
     @torch.no_grad()
     def translate(self, sentences: list[str], dm: TranslationDataModule, beam_size: int | None = None,
-                  batch_size: int = 100) -> list[str]:
-        """Detokenized translations, decoded in length-sorted batches."""
+                  batch_size: int = 100, stats: dict | None = None) -> list[str]:
+        """Detokenized translations, decoded in length-sorted batches; `stats` receives the largest KV cache a
+        batch held (`kv_cache_bytes`, measured from the cache's tensors)."""
         task = self.cfg.task
         beam = task.beam_size if beam_size is None else beam_size
         self.model.eval()
@@ -146,7 +162,7 @@ class TranslationModule(StudyModule):
                 chunk = order[start : start + batch_size]
                 src = pad_batch([ids[i] or [EOS] for i in chunk]).to(self.device)
                 mask = src != PAD
-                kw = dict(bos=BOS, eos=EOS, max_len_a=task.max_len_a, max_len_b=task.max_len_b)
+                kw = dict(bos=BOS, eos=EOS, max_len_a=task.max_len_a, max_len_b=task.max_len_b, stats=stats)
                 if beam == 1:
                     hyps = greedy_decode(self.model, src, mask, **kw)
                 else:
@@ -160,9 +176,10 @@ class TranslationModule(StudyModule):
         results: dict[str, Any] = {}
         for split in self.cfg.task.test_sets:
             refs = dm.corpus.targets(split)
-            started = time.perf_counter()
-            hyps = self.translate(dm.corpus.sources(split), dm)
+            started, stats = time.perf_counter(), {}
+            hyps = self.translate(dm.corpus.sources(split), dm, stats=stats)
             seconds = time.perf_counter() - started
+            self.hypotheses[split] = hyps
             # a lowercased model is scored case-insensitively, and the signature says so (case:lc)
             bleu = sacrebleu.metrics.BLEU(lowercase=self.cfg.task.lowercase)
             chrf = sacrebleu.metrics.CHRF(lowercase=self.cfg.task.lowercase)
@@ -172,6 +189,7 @@ class TranslationModule(StudyModule):
                 "bleu_signature": str(bleu.get_signature()),
                 "chrf_signature": str(chrf.get_signature()),
                 "decode_seconds": seconds,
+                "kv_cache_peak_bytes": stats.get("kv_cache_bytes"),
                 "sentences": len(refs),
                 "examples": [{"source": s, "reference": r, "hypothesis": h}
                              for s, r, h in list(zip(dm.corpus.sources(split), refs, hyps))[:5]],
