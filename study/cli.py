@@ -44,7 +44,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from study.config import ConfigError
     from study.config.base import parse_overrides
-    from study.sweep import StorageError, SweepOptions, SweepSpecError, run_sweep
+    from study.sweep import StorageError, SweepInterrupted, SweepOptions, SweepSpecError, run_sweep
 
     import signal
 
@@ -65,6 +65,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     except (SweepSpecError, StorageError, ConfigError, ValueError, FileNotFoundError) as err:
         print(f"study sweep: {err}", file=sys.stderr)
         return 2
+    except SweepInterrupted as err:
+        print(f"study sweep: {err}", file=sys.stderr)
+        return 130
     return 1 if final.get("failed") else 0
 
 
@@ -91,6 +94,17 @@ def _cmd_results(args: argparse.Namespace) -> int:
     print(summary(df, read_json(sweep_dir / "plan.json")["objective"]["metric"]))
     print(f"\nwritten: {sweep_dir / 'results.parquet'}, {sweep_dir / 'results.csv'}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 or -1 workers would start nothing and exit 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
 
 def _sweep_dir(sweep: str, results: str) -> Path:
@@ -161,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=_cmd_run)
     sweep = sub.add_parser("sweep", help="run (or continue) a sweep: every (point, seed) exactly once")
     sweep.add_argument("spec", help="sweep spec YAML (see experiments/ablation_default.yaml)")
-    sweep.add_argument("--workers", type=int, help="local worker processes (default: the spec's workers)")
-    sweep.add_argument("--threads", type=int, help="CPU threads per trial (default: cores / workers)")
+    sweep.add_argument("--workers", type=_positive_int, help="local worker processes (default: the spec's workers)")
+    sweep.add_argument("--threads", type=_positive_int, help="CPU threads per trial (default: cores / workers)")
     sweep.add_argument("--storage", default=os.environ.get("STUDY_STORAGE"),
                        help="Optuna storage URL: sqlite:///..., journal:///..., postgresql://... "
                             "(default: $STUDY_STORAGE, else sqlite under results/<sweep>/)")

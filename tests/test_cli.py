@@ -189,3 +189,28 @@ def test_no_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("flag,value", [("--workers", "0"), ("--workers", "-1"), ("--threads", "-2"),
+                                        ("--workers", "two")])
+def test_a_sweep_with_no_worker_or_thread_is_refused_before_anything_runs(workdir, capsys, flag, value):
+    with pytest.raises(SystemExit) as stop:
+        main(["sweep", str(workdir / "exp.yaml"), flag, value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "must be an integer >= 1" in err and "Traceback" not in err
+    assert not (workdir / "results").exists()
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://alice:s3cret@db.example:5432/study",
+    "postgresql://:s3cret@db.example/study",
+    "postgresql://postgres@db.example:5432/study?password=s3cret",
+    "postgresql://postgres@db.example/study?sslmode=require&PASSWORD=s3cret&connect_timeout=3",
+    "could not connect to 'postgresql+psycopg://bob:s3cret@10.0.0.1/db': timeout",
+])
+def test_no_form_of_a_storage_password_survives_redaction(url):
+    from study.sweep.storage import redact
+
+    assert "s3cret" not in redact(url) and "***" in redact(url)
+    assert redact("sqlite:///results/t/study.db") == "sqlite:///results/t/study.db"

@@ -587,3 +587,15 @@ def test_the_report_states_the_sweeps_measured_wall_time_and_each_trials(tmp_pat
     header = next(line for line in md.splitlines() if line.startswith("| variant | n / planned"))
     assert header.rstrip(" |").endswith("wall time per trial (min)")
     assert "| 2.3 |" in md  # 140 s a trial
+
+
+def test_the_headline_figure_is_the_verdicts_paired_differences(report):
+    """First figure of every task: each variant's paired difference from the baseline with its interval, the numbers
+    paired.csv and the verdict table hold; a variant that never ran is not drawn."""
+    lm = [f for f in report.figures if f.task == "lm"]
+    assert lm[0].kind == "paired" and lm[0].name == "lm-valid_loss-paired-differences"
+    paired = pd.read_csv(report.out / "paired.csv")
+    drawn = paired[paired["diff"].notna()]["label"].tolist()
+    assert lm[0].series == drawn and "attention=mqa" not in drawn and len(drawn) >= 3
+    md = report.markdown.read_text()
+    assert md.index("paired difference of each variant against the baseline") < md.index("for every variant")

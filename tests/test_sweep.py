@@ -5,6 +5,7 @@ The queue, storage, worker processes, trial subprocesses and files are all real;
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -319,6 +320,42 @@ def test_a_sweep_killed_mid_trial_resumes_and_finishes_every_trial_exactly_once(
     assert sorted(complete_keys(queue)) == sorted(keys)  # each key completed exactly once
     df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet")
     assert set(df.status) == {"completed"}
+
+
+def test_ctrl_c_says_what_it_interrupted_in_one_line_and_the_rerun_resumes(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group): no traceback, one line saying what was interrupted and how
+    to resume, exit 130; `study status` shows nothing running; the same command then finishes every trial once."""
+    path = write_spec(tmp_path, seeds=[0, 1])
+    cmd = [sys.executable, "-m", "study.cli", "sweep", str(path), "--results", str(tmp_path / "results"),
+           "--workers", "2", "--runner", FAKE]
+    proc = subprocess.Popen(cmd, env={**os.environ, "STUDY_FAKE_SLEEP": "5"}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = tmp_path / "results" / "runs"
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(runs.glob("*/seed-*/executions.log"))) < 2:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends every process of the sweep
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    lines = [line for line in err.splitlines() if line.startswith("study sweep:")]
+    assert len(lines) == 1 and "interrupted: 0/4 trials done" in lines[0] and "same command again" in lines[0]
+    status = subprocess.run([sys.executable, "-m", "study.cli", "status", "t", "--results", str(tmp_path / "results")],
+                            capture_output=True, text=True, check=True).stdout
+    assert "0 running" in status, status
+    invocations = json.loads((tmp_path / "results" / "t" / "invocations.json").read_text())
+    assert invocations[-1]["interrupted"] is True
+    run_sweep(path, opts(tmp_path, workers=2), say=lambda s: None)
+    assert set(completions(tmp_path / "results").values()) == {1} and len(completions(tmp_path / "results")) == 4
+
+
+def test_each_finished_trial_reports_the_sweeps_progress_and_time_left():
+    from study.sweep.worker import _progress_text
+
+    counts = {"done": 7, "running": 2, "queued": 8, "failed": 1, "not queued": 0}
+    assert _progress_text(counts, [60.0, 120.0], workers=2) == "[7/18 done, 1 failed; ~8 min left]"
+    assert _progress_text({**counts, "running": 0, "queued": 0, "done": 17}, [60.0], 2) == "[17/18 done, 1 failed]"
+    assert _progress_text(counts, [], 2) == "[7/18 done, 1 failed]"  # nothing timed yet: no guess
 
 
 def _concurrent_commands(tmp_path: Path, spec: Path, storage: str, n: int = 4) -> list[subprocess.CompletedProcess]:

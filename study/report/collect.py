@@ -54,6 +54,7 @@ class Declaration:
     objective: bool = True    # False: bookkeeping (counts) that must never rank a sweep
     by_construction: bool = False  # a cost computed from the config by arithmetic, not measured
     description: str = ""
+    cost: bool = False  # a cost the task measures (decode time, KV cache held): shown beside the quality
 
     @property
     def better(self) -> str:
@@ -209,7 +210,8 @@ class SweepResults:
             return None
         pattern, d = found
         return Declaration(column, pattern, family, d["direction"], str(d.get("scale") or ""),
-                           bool(d.get("objective", True)), description=str(d.get("description") or ""))
+                           bool(d.get("objective", True)), description=str(d.get("description") or ""),
+                           cost=bool(d.get("cost", False)))
 
     def declared(self, metric: str, task: str | None = None) -> Declaration:
         """As `declaration`, but a metric nobody declared is an error: its direction is never guessed."""

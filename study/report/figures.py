@@ -21,7 +21,7 @@ from matplotlib.lines import Line2D
 
 from study.record import COSTS as RECORD_COSTS
 from study.report.collect import SPLIT_WORDS, SweepResults, by_length_columns, metric_column
-from study.report.stats import mean_ci, pareto_front, summarize
+from study.report.stats import mean_ci, paired_differences, pareto_front, summarize
 
 COSTS = (  # column, axis label, better (from study.record.COSTS' declared direction)
     ("cost.train_tokens_per_s", "training throughput"),
@@ -143,6 +143,41 @@ def plot_metric_by_variant(done: pd.DataFrame, variants: list[tuple[str, str]], 
     ax.set_ylabel(ylabel or metric_label(metric_col))
     ax.set_title(f"{title}\nmean and 95% t interval over seeds; dots are single seeds", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
+    return _finish(fig, series)
+
+
+# -- 1b. the verdicts: paired differences against the baseline ---------------------------------------------------
+VERDICT_COLOURS = {"better": "#1b7837", "worse": "#b2182b", "inconclusive": "0.45"}
+
+
+def plot_paired_differences(paired: pd.DataFrame, title: str, xlabel: str, direction: str) -> Figure:
+    """Each variant's mean paired difference from the baseline (same seeds) with its 95% t interval: the verdicts'
+    own numbers, drawn. Green: better, red: worse (the interval excludes zero), grey: inconclusive; a variant without
+    pairs or with one pair (no interval) is named at zero."""
+    rows = paired.reset_index(drop=True)
+    fig, (ax,) = _new(width=7.2, height=max(2.4, 0.42 * len(rows) + 1.4))
+    series = []
+    for y, r in rows.iterrows():
+        label = str(r["label"])
+        if not np.isfinite(r["diff"]):
+            ax.annotate(f"{r['verdict']}", (0, y), ha="center", va="center", fontsize=7, color="0.4")
+            continue
+        colour = VERDICT_COLOURS.get(str(r["verdict"]), "0.45")
+        has_ci = np.isfinite(r["ci_lo"]) and np.isfinite(r["ci_hi"])
+        xerr = [[r["diff"] - r["ci_lo"]], [r["ci_hi"] - r["diff"]]] if has_ci else None
+        ax.errorbar([r["diff"]], [y], xerr=xerr, fmt="o", color=colour, ms=6, capsize=4, elinewidth=1.8)
+        ax.annotate(f"{r['verdict']} (n={int(r['n_pairs'])})", (r["ci_hi"] if has_ci else r["diff"], y),
+                    textcoords="offset points", xytext=(6, 0), va="center", fontsize=7, color=colour)
+        series.append(label)
+    ax.axvline(0, color=BASELINE_COLOUR, lw=0.9, ls="--")
+    ax.set_yticks(range(len(rows)), [str(v) for v in rows["label"]], fontsize=8)
+    ax.invert_yaxis()
+    ax.margins(x=0.25)
+    better = "lower" if direction == "minimize" else "higher"
+    ax.set_xlabel(f"{xlabel} (variant − baseline; {better} is better)")
+    ax.set_title(f"{title}\npaired difference against the baseline:\nmean and 95% t interval over seed pairs",
+                 fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
     return _finish(fig, series)
 
 
@@ -400,7 +435,7 @@ def save_figure(fig: Figure, directory: Path, name: str, formats=("png", "svg"))
     return paths
 
 
-KINDS = ("metric", "curves", "cost", "extrapolation", "grad_norms", "heatmap")
+KINDS = ("paired", "metric", "curves", "cost", "extrapolation", "grad_norms", "heatmap")
 
 
 @dataclass
@@ -425,6 +460,20 @@ class _TaskFigures:
         self.prefix, self.labels, self.base = f"{task}-", r.labels_for(task), r.baseline_label
         one_factor = {axis: r.axis_labels(axis) for axis in r.axes}
         self.one_factor = {a: v for a, v in one_factor.items() if len(v) >= 2}
+
+    def paired(self) -> None:
+        """The headline: the verdicts' paired differences, every variant against the baseline."""
+        others = [lbl for lbl in self.labels if lbl != self.base]
+        if not others or self.mcol not in self.done:
+            return
+        paired = paired_differences(self.done, self.mcol, self.base, others, self.direction)
+        fig = plot_paired_differences(paired, f"{self.head}: {self.name}", f"Δ {self.ylabel}", self.direction)
+        if fig._study_series:
+            self.emit(fig, f"{self.prefix}{self.name}-paired-differences",
+                      f"{self.name}: paired difference of each variant against the baseline", "paired", self.task)
+        else:
+            self.skip(f"{self.prefix}{self.name}-paired-differences", f"{self.name}: paired differences", "paired",
+                      self.task, None, "no variant shares a completed seed with the baseline")
 
     def metric(self) -> None:
         fig = plot_metric_by_variant(self.done, [(lbl, lbl) for lbl in self.labels], self.mcol, self.palette,

@@ -313,8 +313,20 @@ def _task_section(doc: Doc, results: SweepResults, task: str, figures: list[Figu
                     [(p.suffix[1:].upper(), p.relative_to(out).as_posix()) for p in f.paths])
 
 
-def _cost_columns(done: pd.DataFrame) -> list[tuple[str, str, str]]:
-    return [(c, h, k) for c, h, k in COST_COLUMNS if c in done and done[c].notna().any()]
+def _cost_columns(done: pd.DataFrame, results: SweepResults | None = None,
+                  task: str | None = None) -> list[tuple[str, str, str]]:
+    """(column, header, formatter) of the costs with values: the record's, then those the task declares it
+    measures (`cost=True`: a translation's decode time and the KV cache its beam search held)."""
+    out = [(c, h, k) for c, h, k in COST_COLUMNS if c in done and done[c].notna().any()]
+    for col in done.columns if results is not None else []:
+        if not col.startswith("metric.") or not pd.api.types.is_numeric_dtype(done[col]) or done[col].isna().all():
+            continue
+        d = results.declaration(col, task)
+        if d is not None and d.cost:
+            in_bytes = d.scale == "bytes"
+            out.append((col, f"{metric_name(col)} ({'MB' if in_bytes else d.scale}; measured)",
+                        "mb" if in_bytes else "num"))
+    return out
 
 
 def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFrame, mcol: str, spec: Declaration,
@@ -322,7 +334,7 @@ def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFram
     """One row per variant: the objective's mean and interval, the other declared metrics, the costs."""
     planned = results.table[results.table["task"] == task].groupby("label").size()
     secondary = secondary_columns(results, task, done, mcol)
-    costs = _cost_columns(done)
+    costs = _cost_columns(done, results, task)
     summary = summarize(done, mcol, order=labels, extra=[*(c for c, _ in secondary), *(c for c, _, _ in costs)]) \
         if mcol in done else pd.DataFrame({"label": labels, "n": 0, "mean": math.nan, "ci_half": math.nan,
                                            "ci_lo": math.nan, "ci_hi": math.nan})
@@ -336,8 +348,8 @@ def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFram
                      f"{int(r['n'])} / {int(planned.get(r['label'], 0))}", mean_text, interval,
                      *[fmt(r.get(c)) for c, _ in secondary], *[fmt(r.get(c), k) for c, _, k in costs]])
     doc.table(headers, rows)
-    constructed = [h for c, h, _ in costs if COSTS[c.removeprefix("cost.")][2]]
-    measured = [h for c, h, _ in costs if not COSTS[c.removeprefix("cost.")][2]]
+    constructed = [h for c, h, _ in costs if c.startswith("cost.") and COSTS[c.removeprefix("cost.")][2]]
+    measured = [h for c, h, _ in costs if h not in constructed]
     doc.p("Secondary metrics and costs are means over the completed seeds. `n / planned`: seeds that completed out "
           "of those planned." + (f" {', '.join(constructed)} follow from the config by arithmetic (by construction, "
                                  "not measurements)" if constructed else "")
@@ -475,7 +487,7 @@ def write_summary_tables(results: SweepResults, out: Path) -> list[Path]:
         if mcol not in done:
             continue
         extra = [c for c, _ in secondary_columns(results, task, done, mcol)]
-        extra += [c for c, _, _ in COST_COLUMNS if c in done]
+        extra += [c for c, _, _ in _cost_columns(done, results, task)]
         scale = results.declared(metric, task).scale
         summaries.append(summarize(done, mcol, order=labels, extra=extra)
                          .assign(task=task, metric=metric, scale=scale, direction=direction))

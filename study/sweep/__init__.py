@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     "Plan": "plan", "Point": "plan", "SweepSpecError": "plan", "expand": "plan", "load_spec": "plan",
     "check": "plan", "SweepOptions": "runner", "run_sweep": "runner", "status": "runner",
+    "SweepInterrupted": "runner",
     "StorageError": "storage", "redact": "storage",
 }
 __all__ = sorted(_EXPORTS)

@@ -242,19 +242,24 @@ class TrialQueue:
         return True
 
     # -- claiming -------------------------------------------------------------------------
-    def reap_lost(self) -> int:
-        """Fail and re-queue RUNNING trials whose worker is gone; returns how many this call won."""
-        now = time.time()
-        won = 0
+    def lost_running(self) -> list[tuple[optuna.trial.FrozenTrial, str]]:
+        """RUNNING trials nothing is running: their worker process on this host is gone, or their heartbeat is
+        older than the grace period (a worker elsewhere); with the reason. Reads only."""
+        now, lost = time.time(), []
         for t in self.trials((TrialState.RUNNING,)):
             beat = t.user_attrs.get("heartbeat")
             if beat is None:
                 beat = t.datetime_start.timestamp() if t.datetime_start else now
             host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
             dead_here = host == _host() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
-            if not dead_here and now - beat <= self.grace_s:
-                continue
-            reason = "its worker process is gone" if dead_here else f"no heartbeat for {now - beat:.0f} s"
+            if dead_here or now - beat > self.grace_s:
+                lost.append((t, "its worker process is gone" if dead_here else f"no heartbeat for {now - beat:.0f} s"))
+        return lost
+
+    def reap_lost(self) -> int:
+        """Fail and re-queue RUNNING trials whose worker is gone; returns how many this call won."""
+        won = 0
+        for t, reason in self.lost_running():
             try:
                 if not self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
                     continue

@@ -108,12 +108,19 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
         say(f"sweep {plan.spec.name!r} is complete: nothing to run")
     else:
         wopts = WorkerOptions(data_dir=opts.data_dir, cache_dir=opts.cache_dir, threads=threads,
-                              runner=opts.runner, poll_s=opts.poll_s)
+                              runner=opts.runner, poll_s=opts.poll_s, workers=workers)
         say(f"running with {workers} worker(s) x {threads} thread(s)")
-        if workers == 1:
-            run_worker(queue, layout, wopts)
-        else:
-            run_worker_processes(layout, url, workers, wopts)
+        try:
+            if workers == 1:
+                run_worker(queue, layout, wopts)
+            else:
+                run_worker_processes(layout, url, workers, wopts)
+        except KeyboardInterrupt:
+            counts = queue.counts(keys)
+            _record_invocation(layout, started, workers, threads, counts, interrupted=True)
+            raise SweepInterrupted(f"interrupted: {counts['done']}/{len(keys)} trials done; the running ones were "
+                                   "stopped and given back to the queue. Run the same command again to resume.") \
+                from None
     final = queue.counts(keys)
     _record_invocation(layout, started, workers, threads, final)  # first: the record outlives a table error
     df = write_table(layout.sweep_dir)
@@ -123,8 +130,12 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     return final
 
 
+class SweepInterrupted(Exception):
+    """Ctrl-C (or SIGTERM) stopped a sweep; its message says what was interrupted and how to resume."""
+
+
 def _record_invocation(layout: SweepLayout, started: float, workers: int, threads: int,
-                       counts: dict[str, int]) -> None:
+                       counts: dict[str, int], interrupted: bool = False) -> None:
     """Append this invocation (when, how many workers, how long, the counts after it) to
     results/<sweep>/invocations.json: the sweep's wall-clock cost is measured, not guessed."""
     import socket
@@ -133,7 +144,7 @@ def _record_invocation(layout: SweepLayout, started: float, workers: int, thread
     history = read_json(path) if path.is_file() else []
     history.append({"host": socket.gethostname(), "started": started, "ended": time.time(),
                     "wall_seconds": time.time() - started, "workers": workers, "threads": threads,
-                    "counts_after": counts})
+                    "counts_after": counts, **({"interrupted": True} if interrupted else {})})
     atomic_write_json(path, history)
 
 
@@ -141,7 +152,8 @@ def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: Work
     """Start `workers` local worker processes and wait for them; they die with this process."""
     env = {**os.environ, STORAGE_ENV: url}
     cmd = [sys.executable, "-m", "study.sweep.worker", "--sweep-dir", str(layout.sweep_dir),
-           "--threads", str(opts.threads), "--runner", opts.runner, "--poll-s", str(opts.poll_s)]
+           "--threads", str(opts.threads), "--runner", opts.runner, "--poll-s", str(opts.poll_s),
+           "--workers", str(workers)]
     if opts.data_dir:
         cmd += ["--data-dir", str(opts.data_dir)]
     if opts.cache_dir:
@@ -175,11 +187,20 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> str:
              + (f" (+ {len(keys) - len(plan['points']) * len(plan['seeds'])} tuning trials)" if plan.get("tune") else "")
              + f" = {len(keys)} trials"]
     try:
-        counts = open_queue(plan, url).counts(keys)
+        queue = open_queue(plan, url)
+        counts = queue.counts(keys)
+        lost = queue.lost_running()
+        if lost:  # a Ctrl-C'd or killed worker: nothing is running them; the next worker takes them back
+            counts = {**counts, "running": counts["running"] - len(lost), "interrupted": len(lost)}
         lines.append(f"queue ({redact(url)}): " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+        lines += [f"  interrupted: {t.user_attrs.get('label')} seed {t.user_attrs.get('seed')} ({why}); rerunning "
+                  "`study sweep` resumes it" for t, why in lost]
     except Exception as err:  # status still reports the files when the queue is unreachable
         lines.append(f"queue ({redact(url)}) unavailable: {redact(str(err)).splitlines()[0]}")
     on_disk = sum(layout.run(s.runs_point or s.point, s.seed).finished() is not None for s in specs)
     lines.append(f"finished seed-trial run directories: {on_disk}/{len(plan['points']) * len(plan['seeds'])}")
+    from study.sweep.results import build_table, summary
+
+    lines += ["", summary(build_table(layout.sweep_dir), plan["objective"]["metric"])]  # the metric so far, per point
     return "\n".join(lines)
 

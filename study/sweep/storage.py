@@ -27,8 +27,10 @@ class StorageError(ValueError):
 
 
 def redact(url: str) -> str:
-    """The URL with any password replaced by ***."""
-    return re.sub(r"(://[^:/@]+:)[^@]*(@)", r"\1***\2", str(url))
+    """The text with every password in it replaced by ***: `USER:PASS@` (an empty user too) and the query
+    parameter `password=` (libpq's and SQLAlchemy's other spelling), wherever the URL appears in the text."""
+    text = re.sub(r"(://[^:/@\s]*:)[^@\s]*(@)", r"\1***\2", str(url))
+    return re.sub(r"([?&;]password=)[^&\s'\"]*", r"\1***", text, flags=re.IGNORECASE)
 
 
 def scheme(url: str) -> str:

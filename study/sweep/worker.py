@@ -79,6 +79,7 @@ class WorkerOptions:
     runner: str = DEFAULT_RUNNER
     poll_s: float = 2.0
     max_trials: int | None = None  # stop after this many (tests)
+    workers: int = 1  # how many workers drain the queue together (for the progress line's time left)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class WorkerSummary:
     ran: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # wall time of each trial it ran
 
 
 class TrialLost(Exception):
@@ -267,15 +269,30 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
             break
         log.info("%s: trial %d %s%s seed %d (attempt %d)", queue.worker, claimed.number, claimed.spec.label,
                  " (tuning)" if claimed.spec.kind == "tune" else "", claimed.spec.seed, claimed.attempt)
+        started = time.time()
         outcome = run_trial(queue, layout, claimed, plan, opts)
-        log.info("%s: trial %d %s seed %d: %s%s", queue.worker, claimed.number, claimed.spec.label,
-                 claimed.spec.seed, outcome, _objective_text(layout, claimed, plan))
+        summary.seconds.append(time.time() - started)
+        log.info("%s: trial %d %s seed %d: %s%s %s", queue.worker, claimed.number, claimed.spec.label,
+                 claimed.spec.seed, outcome, _objective_text(layout, claimed, plan),
+                 _progress_text(queue.counts(sorted(keys)), summary.seconds, opts.workers))
         summary.ran.append(claimed.spec.key)
         if outcome == "failed":
             summary.failed.append(claimed.spec.key)
         elif outcome == "lost":
             summary.lost.append(claimed.spec.key)
     return summary
+
+
+def _progress_text(counts: dict[str, int], seconds: list[float], workers: int) -> str:
+    """'[7/18 done, 1 failed; ~35 min left]': the sweep's progress as each trial ends, the time left estimated from
+    this worker's own trials (their mean wall time x the trials left / the workers)."""
+    total = sum(counts.values())
+    left = counts["queued"] + counts["running"] + counts["not queued"]
+    text = f"[{counts['done']}/{total} done" + (f", {counts['failed']} failed" if counts["failed"] else "")
+    if left and seconds:
+        minutes = sum(seconds) / len(seconds) * left / max(1, workers) / 60
+        text += f"; ~{minutes:.0f} min left" if minutes >= 1 else "; <1 min left"
+    return text + "]"
 
 
 def _objective_text(layout: SweepLayout, claimed: Claimed, plan: dict[str, Any]) -> str:
@@ -303,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runner", default=DEFAULT_RUNNER)
     parser.add_argument("--poll-s", type=float, default=2.0)
+    parser.add_argument("--workers", type=int, default=1, help="workers draining the queue together")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     url = os.environ.get(STORAGE_ENV)
@@ -313,8 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     layout = SweepLayout(Path(args.sweep_dir))
     plan = read_json(layout.plan_path)
     queue = open_queue(plan, url)
-    run_worker(queue, layout, WorkerOptions(data_dir=args.data_dir, cache_dir=args.cache_dir, threads=args.threads,
-                                            runner=args.runner, poll_s=args.poll_s))
+    try:
+        run_worker(queue, layout, WorkerOptions(data_dir=args.data_dir, cache_dir=args.cache_dir,
+                                                threads=args.threads, runner=args.runner, poll_s=args.poll_s,
+                                                workers=args.workers))
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the `study sweep` parent says what happened
+        return 130
     return 0
 
 

@@ -36,7 +36,8 @@ class MetricSpec:
     """One metric a task family writes into metrics.json's `metrics`.
 
     `name` may hold a `*` for a family of keys (`valid_ppl_by_length.*`). `objective=False` marks counts and
-    bookkeeping (tokens evaluated, examples) that must never rank a sweep."""
+    bookkeeping (tokens evaluated, examples) that must never rank a sweep. `cost=True` marks a cost the task
+    measures (decode time, the KV cache held): reports set it beside the quality metrics."""
 
     name: str
     direction: str
@@ -44,6 +45,7 @@ class MetricSpec:
     constant: str  # what a constant predictor scores, e.g. '0 (MCC of a constant prediction)'
     objective: bool = True
     description: str = ""
+    cost: bool = False
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:

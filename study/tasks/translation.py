@@ -35,9 +35,9 @@ class Translation(TaskFamily):
                    description="sacreBLEU's chrF on the first of task.test_sets"),
         MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0"),
         MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points"),
-        MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False,
+        MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False, cost=True,
                    description="wall time of beam-search decoding of the test set (a measured cost)"),
-        MetricSpec("test_sets.*.kv_cache_peak_bytes", "minimize", "bytes", "-", objective=False,
+        MetricSpec("test_sets.*.kv_cache_peak_bytes", "minimize", "bytes", "-", objective=False, cost=True,
                    description="the most bytes the KV cache held while a batch of 100 sentences was beam-searched "
                                "(self- and cross-attention K/V, measured from the cache's tensors)"),
         MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False),

@@ -1,0 +1,37 @@
+"""The terminal's view of one run: a progress bar in optimizer steps of `train.max_steps`, named after the run.
+
+Lightning's bar counts batches of an epoch ('Epoch 0/-2' for a step-budgeted run, whose epochs are endless); these
+runs are budgeted in steps, so the bar says `glue/SST-2 seed 1 step 120/400` and keeps the step across epochs and
+resumes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+
+class StepProgressBar(TQDMProgressBar):
+    def __init__(self, name: str, refresh_rate: int = 1):
+        super().__init__(refresh_rate=refresh_rate)
+        self.name = name
+
+    def on_train_epoch_start(self, trainer, *_: Any) -> None:
+        bar = self.train_progress_bar
+        bar.reset(total=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None)
+        bar.n = trainer.global_step  # a resumed run starts where it stopped
+        bar.set_description(f"{self.name} step")
+        bar.refresh()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        bar, step = self.train_progress_bar, trainer.global_step
+        if bar is not None and self._should_update(step, bar.total):
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
+            bar.refresh()
+
+
+def run_name(cfg) -> str:
+    """'lm/tinyshakespeare seed 0', 'glue/SST-2 seed 1': the task, its dataset (a GLUE run: its task) and the
+    seed, so a suite's or a pipeline's runs can be told apart in the terminal."""
+    return f"{cfg.task.name}/{cfg.task.dataset} seed {cfg.train.seed}"
