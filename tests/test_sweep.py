@@ -235,6 +235,21 @@ def test_optunas_own_api_reads_each_trials_axis_values_as_params(tmp_path):
     assert set(study.trials_dataframe()["params_span"].dropna()) == {"global", "local"}
 
 
+def test_a_spec_that_gains_an_axis_value_still_runs_when_optuna_refuses_the_new_choices(tmp_path):
+    """Optuna keeps one distribution per param name: the new value's trials run (without params), nothing crashes."""
+    run_sweep(write_spec(tmp_path, seeds=[0], axes={"model.position": ["rope", "alibi"]}), opts(tmp_path),
+              say=lambda s: None)
+    final = run_sweep(write_spec(tmp_path, seeds=[0], axes={"model.position": ["rope", "alibi", "learned"]}),
+                      opts(tmp_path), say=lambda s: None)
+    assert final["done"] == 3 and final["failed"] == 0
+    assert set(completions(tmp_path / "results").values()) == {1} and len(completions(tmp_path / "results")) == 3
+    import optuna
+
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path / 'results' / 't' / 'study.db'}")
+    params = {t.user_attrs["label"]: t.params for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
+    assert params["baseline"] == {"position": "rope"} and params["position=learned"] == {}  # refused, not fatal
+
+
 def test_a_metric_that_does_not_apply_is_a_missing_number_in_the_table(tmp_path):
     path = write_spec(tmp_path, seeds=[0], axes={"model.position": ["rope", "learned"]})
     run_sweep(path, opts(tmp_path), say=lambda s: None)

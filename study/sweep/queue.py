@@ -206,9 +206,12 @@ class TrialQueue:
             if spec.key in finished:
                 value = finished[spec.key]
                 params, distributions = spec.params()
-                self.study.add_trial(optuna.trial.create_trial(
-                    state=TrialState.COMPLETE, value=self._storable(value), params=params,
-                    distributions=distributions, user_attrs={**attrs, "from_files": True}))
+                done = dict(state=TrialState.COMPLETE, value=self._storable(value),
+                            user_attrs={**attrs, "from_files": True})
+                try:
+                    self.study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, **done))
+                except ValueError:  # choices that differ from earlier trials' (see _set_params)
+                    self.study.add_trial(optuna.trial.create_trial(**done))
                 added["recorded"] += 1
             else:
                 if record_gone:  # the completed trial(s) of this key no longer count as done
@@ -292,12 +295,21 @@ class TrialQueue:
                 self.storage.set_trial_user_attr(t._trial_id, "duplicate_of", duplicate)
                 self.storage.set_trial_state_values(t._trial_id, state=TrialState.PRUNED)
                 continue
-            params, distributions = spec.params()
-            for name, label in params.items():
-                distribution = distributions[name]
-                self.storage.set_trial_param(t._trial_id, name, distribution.to_internal_repr(label), distribution)
+            self._set_params(t._trial_id, spec)
             return claimed
         return None
+
+    def _set_params(self, trial_id: int, spec: TrialSpec) -> None:
+        """The trial's axis values as Optuna params. Optuna keeps one distribution per param name for a whole
+        study: after a spec gained an axis value, the earlier trials' choices differ and Optuna refuses the new
+        ones; the trial then runs without params (they are for Optuna's viewers only: the record is the files)."""
+        params, distributions = spec.params()
+        try:
+            for name, label in params.items():
+                distribution = distributions[name]
+                self.storage.set_trial_param(trial_id, name, distribution.to_internal_repr(label), distribution)
+        except ValueError as err:
+            log.info("trial %s: axis values not stored as Optuna params (%s)", spec.key, err)
 
     def _duplicate_of(self, claimed: Claimed) -> int | None:
         """Another trial of the same key that is done, or running and claimed before this one."""
