@@ -214,3 +214,42 @@ def test_no_form_of_a_storage_password_survives_redaction(url):
 
     assert "s3cret" not in redact(url) and "***" in redact(url)
     assert redact("sqlite:///results/t/study.db") == "sqlite:///results/t/study.db"
+
+
+@pytest.mark.parametrize("text,words", [
+    ("- a\n- b\n", ["bad.yaml", "got list"]),                                   # a list at the top
+    ("", ["bad.yaml", "got an empty file"]),                                      # nothing: not the defaults
+    ("model: {preset: gpt2}\ntrain: {max_steps: 5}\n", ["bad.yaml", "no task"]),  # no task: not the defaults
+    ("model: 5\ntask: {name: lm, dataset: tinyshakespeare}\ntrain: [1, 2]\n",
+     ["model: must be a mapping of fields, got int 5", "train: must be a mapping of fields, got list [1, 2]"]),
+    ("model: {preset: [llama2]}\ntask: {name: lm, dataset: tinyshakespeare}\n", ["model.preset: unknown preset"]),
+    ("model: {preset: gpt2, d_model: ~, n_heads: ~, tie_embeddings: ~, nsp: ~}\n"
+     "task: {name: lm, dataset: tinyshakespeare}\n",
+     ["model.d_model: must be an integer, got null", "model.n_heads: must be an integer, got null",
+      "model.tie_embeddings: must be true or false, got null", "model.nsp: must be true or false, got null"]),
+    ("model: {preset: llama2, rope_theta: .inf, norm_eps: .nan}\ntask: {name: lm, dataset: tinyshakespeare}\n",
+     ["model.rope_theta: inf is not a valid float", "model.norm_eps: nan is not a valid float"]),
+])
+def test_a_malformed_config_file_is_one_clear_error_listing_every_problem(workdir, monkeypatch, capsys, text, words):
+    _no_training(monkeypatch)
+    (workdir / "bad.yaml").write_text(text)
+    assert main(["run", str(workdir / "bad.yaml"), "--out", str(workdir / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and all(w in err for w in words), err
+    assert not (workdir / "run").exists()
+
+
+@pytest.mark.parametrize("argv", [["run", "exp.yaml", "--set", "model.d_model={a: 1"],
+                                  ["run", "exp.yaml", "--set", "model.d_model=null"]])
+def test_an_override_that_is_not_a_value_names_its_field(workdir, monkeypatch, capsys, argv):
+    _no_training(monkeypatch)
+    assert main([*argv, "--out", str(workdir / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "model.d_model" in err and "Traceback" not in err
+
+
+def test_a_sweep_override_that_is_not_a_value_names_its_field(workdir, capsys):
+    assert main(["sweep", "exp.yaml", "--set", "seeds=[0,"]) == 2
+    err = capsys.readouterr().err
+    assert "override seeds" in err and "not a YAML value" in err and "Traceback" not in err
+    assert not (workdir / "results").exists()

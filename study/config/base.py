@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -56,8 +57,12 @@ def _strip_optional(tp: Any) -> Any:
 
 
 def _coerce(field_name: str, tp: Any, value: Any, problems: Problems) -> Any:
-    """Light type coercion for values coming from YAML or `--set key=value`."""
+    """Light type coercion for values coming from YAML or `--set key=value`. null is accepted only where the field
+    is optional (a null elsewhere would silently mean something else); floats must be finite."""
     if value is None:
+        if _strip_optional(tp) is tp and tp is not Any:
+            kind = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+            problems.add(field_name, f"must be {kind.get(getattr(tp, '__name__', ''), tp)}, got null")
         return None
     tp = _strip_optional(tp)
     origin = typing.get_origin(tp)
@@ -80,7 +85,7 @@ def _coerce(field_name: str, tp: Any, value: Any, problems: Problems) -> Any:
                 raise ValueError
             return int(value)
         if tp is float:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not math.isfinite(float(value)):
                 raise ValueError
             return float(value)
         if tp is str:
@@ -154,6 +159,8 @@ class Config:
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any] | None) -> T:
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(cls.__name__, [f"must be a mapping of fields, got {type(data).__name__} {data!r}"])
         data = dict(data or {})
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
@@ -182,5 +189,9 @@ def parse_overrides(pairs: typing.Iterable[str]) -> dict[str, Any]:
         if "=" not in pair:
             raise ValueError(f"override {pair!r} must look like key=value")
         key, value = pair.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"override {key.strip()}: {value!r} is not a YAML value ({mark})") from None
     return out

@@ -33,7 +33,7 @@ def _model_from(data: dict[str, Any] | ModelConfig) -> ModelConfig:
     data = dict(data or {})
     name = data.pop("preset", None)
     if name is not None:
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ConfigError("ModelConfig", [f"preset: unknown preset {name!r}; valid presets: {sorted(PRESETS)}"])
         data = {**PRESETS[name], **data}
     return ModelConfig.from_dict(data)
@@ -91,6 +91,9 @@ class ExperimentConfig(Config):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "ExperimentConfig":
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(cls.__name__, [f"an experiment is a mapping with sections model, task and train, not a "
+                                             f"{type(data).__name__}"])
         data = dict(data or {})
         unknown = sorted(set(data) - {"name", *SECTIONS})
         if unknown:
@@ -103,6 +106,9 @@ class ExperimentConfig(Config):
             value = data.get(section)
             if isinstance(value, (ModelConfig, TaskConfig, TrainConfig)):
                 sections[section] = value
+                continue
+            if value is not None and not isinstance(value, dict):
+                problems.append(f"{section}: must be a mapping of fields, got {type(value).__name__} {value!r}")
                 continue
             try:
                 sections[section] = build(value or {})

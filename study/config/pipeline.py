@@ -140,8 +140,12 @@ def load_experiment(path, overrides=()) -> ExperimentConfig | PipelineConfig:
         raise FileNotFoundError(f"experiment config {path} does not exist")
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ConfigError("ExperimentConfig", [f"{path}: not valid YAML: {err}"]) from None
-    if isinstance(data, dict) and "stages" in data:
+    if not isinstance(data, dict) or not (data.get("task") or data.get("stages")):
+        got = type(data).__name__ if not isinstance(data, dict) else "no task" if data else "an empty file"
+        raise ConfigError("ExperimentConfig", [f"{path}: an experiment is a mapping with sections model, task (its "
+                                               f"name and dataset at least) and train; got {got}"])
+    if "stages" in data:
         return PipelineConfig.from_dict(apply_stage_overrides(data, parse_overrides(overrides)))
     return ExperimentConfig.from_dict(apply_overrides(data, overrides))
