@@ -103,6 +103,23 @@ class RunDir:
     def write(self, record: dict[str, Any]) -> None:
         atomic_write_json(self.metrics, record)
 
+    def read_curves(self):
+        """logs/metrics.csv as a DataFrame (sparse Lightning rows with a `step` column), or None when it is
+        absent, unreadable, empty or has no steps. (pandas is imported here, so this module stays light.)"""
+        import pandas as pd
+
+        try:
+            frame = pd.read_csv(self.curves) if self.curves.is_file() else None
+        except (OSError, ValueError, pd.errors.ParserError):
+            return None
+        return frame if frame is not None and "step" in frame and not frame.empty else None
+
+
+def stage_run_dirs(record: dict[str, Any] | None) -> dict[str, str]:
+    """{stage: run directory} of a study in stages' record (its `stages` entry); {} for a single run."""
+    stages = (record or {}).get("stages") or {}
+    return {name: s["run_dir"] for name, s in stages.items() if isinstance(s, dict) and s.get("run_dir")}
+
 
 def make_record(status: str, metrics: dict[str, Any], cost: dict[str, Any], *, steps: int,
                 train_tokens: int | None = None, diverged_at_step: int | None = None,

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from study.record import COSTS, STATUSES, RunDir
+from study.record import COSTS, STATUSES, RunDir, stage_run_dirs
 
 NOT_RUN = ("running", "pending")
 # `<split>_ppl_by_length.<L>` and `<split>_ppl_at_2x`: the LM task's extrapolation metrics, on the corpus's last
@@ -390,8 +390,7 @@ class SweepResults:
     def _stage_run_dir(self, row: pd.Series | dict, stage: str | None) -> Path | None:
         run_dir = self.run_dir(row)
         if run_dir is not None and stage is not None:
-            record = RunDir(run_dir).read() or {}
-            stage_dir = ((record.get("stages") or {}).get(stage) or {}).get("run_dir")
+            stage_dir = stage_run_dirs(RunDir(run_dir).read()).get(stage)
             run_dir = self.run_dir({"run_dir": stage_dir}) if stage_dir else None
         return run_dir
 
@@ -402,16 +401,9 @@ class SweepResults:
         run_dir = self._stage_run_dir(row, stage)
         key = f"{run_dir}" if run_dir is not None else f"{row.get('trial_key')}:{stage or ''}"
         if key not in self._curves:
-            self._curves[key] = self._read_curves(run_dir) if run_dir is not None else self._stored_curves(row, stage)
+            self._curves[key] = (RunDir(run_dir).read_curves() if run_dir is not None
+                                 else self._stored_curves(row, stage))
         return self._curves[key]
-
-    @staticmethod
-    def _read_curves(run_dir: Path) -> pd.DataFrame | None:
-        try:
-            frame = pd.read_csv(RunDir(run_dir).curves) if RunDir(run_dir).curves.is_file() else None
-        except (OSError, ValueError, pd.errors.ParserError):
-            frame = None
-        return frame if frame is not None and "step" in frame else None
 
     def _stored_curves(self, row: pd.Series | dict, stage: str | None) -> pd.DataFrame | None:
         stored = self.curves_file

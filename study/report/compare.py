@@ -63,6 +63,23 @@ def _same_model_variant(m: Measurement, pub: pd.Series) -> bool:
     return not theirs or m.model_variant == theirs
 
 
+def _published_params(row: pd.Series) -> float:
+    """A published row's parameter count (its `params_m` in millions), NaN when it gives none."""
+    return float(row["params_m"]) * 1e6 if pd.notna(row.get("params_m")) else math.nan
+
+
+def _size(m: Measurement, pub: pd.Series) -> float:
+    """Our parameters / the published model's, NaN when either is not known."""
+    theirs = _published_params(pub)
+    return m.params / theirs if m.params and math.isfinite(m.params) and theirs > 0 else math.nan
+
+
+def _same_size(m: Measurement, pub: pd.Series) -> bool:
+    """Within SIZE_FACTOR in parameters, or not known on both sides (then the sentence says so)."""
+    size = _size(m, pub)
+    return not math.isfinite(size) or 1 / SIZE_FACTOR <= size <= SIZE_FACTOR
+
+
 def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
     """(comparable, sentence): comparable only when the metric variant, the split, the model variant (where the
     published row states one) and the size (within a factor SIZE_FACTOR in parameters, where both are known) are the
@@ -78,13 +95,11 @@ def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
         parts.append(f"different metric variant (ours: {m.variant_words}; published: {pub['metric_variant']})")
     if not same_split:
         parts.append(f"different split (ours: {m.split}; published: {pub['split']})")
-    pub_params = float(pub["params_m"]) * 1e6 if pd.notna(pub.get("params_m")) else math.nan
-    size = m.params / pub_params if m.params and math.isfinite(m.params) and pub_params > 0 else math.nan
-    same_size = not math.isfinite(size) or 1 / SIZE_FACTOR <= size <= SIZE_FACTOR
+    same_size, pub_params = _same_size(m, pub), _published_params(pub)
     if not same_size:
         parts.append(f"different size (parameters ours/published {_ratio(m.params, pub_params)})")
     comparable = same_variant and same_split and same_model and same_size
-    notes = [] if math.isfinite(size) else ["size not known on both sides"]
+    notes = [] if math.isfinite(_size(m, pub)) else ["size not known on both sides"]
     if "community" in str(pub["verification"]).lower():
         notes.append("community result, not a peer-reviewed number")
     elif "secondary" in str(pub["verification"]).lower():
@@ -105,7 +120,6 @@ def compare_numbers(measurements: list[Measurement], published: pd.DataFrame) ->
         for m in same or ours:
             ci = m.interval
             comparable, text = comparability(m, pub)
-            pub_params = pub["params_m"] * 1e6 if pd.notna(pub["params_m"]) else math.nan
             pub_flops = pub["train_flops"] if pd.notna(pub["train_flops"]) else math.nan
             rows.append({
                 "ours": m.source, "key": m.key, "split": m.split, "metric": m.metric,
@@ -119,9 +133,9 @@ def compare_numbers(measurements: list[Measurement], published: pd.DataFrame) ->
                 "published_variant_key": pub["variant_key"], "verification": pub["verification"],
                 "same_metric_variant": m.variant_key == pub["variant_key"],
                 "same_split": m.split.lower() == str(pub["split"]).lower(),
-                "same_model_variant": _same_model_variant(m, pub), "same_size": "different size" not in text,
+                "same_model_variant": _same_model_variant(m, pub), "same_size": _same_size(m, pub),
                 "comparable": comparable,
-                "comparability": text, "size_ratio": _ratio(m.params, pub_params),
+                "comparability": text, "size_ratio": _ratio(m.params, _published_params(pub)),
                 "compute_ratio": _ratio(m.train_flops, pub_flops) if math.isfinite(pub_flops) else "not published",
             })
     return pd.DataFrame(rows)
@@ -196,8 +210,8 @@ def _effect_notes(results: SweepResults, e: pd.Series, task: str, done: pd.DataF
     if results.stages:
         notes.append(f"pairs are {results.stages[0]} seeds (trials of the study in stages "
                      f"{' → '.join(results.stages)})")
-    pub_params = e["params_m"] * 1e6 if pd.notna(e["params_m"]) else math.nan
-    notes.append(f"model size ratio ours/published {_ratio(_mean(done, base_label, 'cost.parameters'), pub_params)}")
+    notes.append(f"model size ratio ours/published "
+                 f"{_ratio(_mean(done, base_label, 'cost.parameters'), _published_params(e))}")
     if str(e.get("note", "")).strip():
         notes.append(str(e["note"]))
     return "; ".join(notes)

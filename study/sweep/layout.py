@@ -58,8 +58,10 @@ def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> li
     trials once its tuning has picked a setting (`tuned`, from tuned.json)."""
     tune = plan.get("tune") or {}
     specs: list[TrialSpec] = []
+    choices = _axis_choices(plan)
     for p in plan["points"]:
-        point, label, axes = p["point"], p["label"], _axis_params(plan, p)
+        point, label = p["point"], p["label"]
+        axes = tuple((name, str(value), choices[name]) for name, value in (p.get("axes") or {}).items())
         if not tune:
             specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, axes=axes)
                       for s in plan["seeds"]]
@@ -73,16 +75,16 @@ def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> li
     return specs
 
 
-def _axis_params(plan: dict[str, Any], point: dict[str, Any]) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
-    """(axis, the point's value, every value of the axis) for each axis: the trial's Optuna params. A conditional
-    axis that does not apply to the point has the value 'n/a', which is then one of its choices."""
-    out = []
-    for name, label in (point.get("axes") or {}).items():
-        # Optuna keeps one distribution per param name for the whole study: the same choices for every point
-        used = [str(q.get("axes", {}).get(name)) for q in plan["points"] if name in q.get("axes", {})]
-        choices = dict.fromkeys([str(c) for c in (plan.get("axes") or {}).get(name, [])] + used)
-        out.append((name, str(label), tuple(choices)))
-    return tuple(out)
+def _axis_choices(plan: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Every value of each axis, as the trials' Optuna params take them: Optuna keeps one distribution per param
+    name for the whole study, so every point gets the same choices ('n/a' among them where a conditional axis does
+    not apply to some point)."""
+    choices: dict[str, dict[str, None]] = {name: dict.fromkeys(map(str, values))
+                                          for name, values in (plan.get("axes") or {}).items()}
+    for q in plan["points"]:
+        for name, value in (q.get("axes") or {}).items():
+            choices.setdefault(name, {})[str(value)] = None
+    return {name: tuple(values) for name, values in choices.items()}
 
 
 def all_keys(plan: dict[str, Any]) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from study.io import atomic_write, read_json, read_json_or_none
-from study.record import FINISHED, PENDING, RUNNING, RunDir, flatten_record
+from study.record import FINISHED, PENDING, RUNNING, RunDir, flatten_record, stage_run_dirs
 from study.sweep.layout import SweepLayout, read_tuned
 
 
@@ -53,7 +53,7 @@ def _resolved_value(run: RunDir, record: dict[str, Any] | None, path: str, stage
     stage, field = route(path, stages)
     directory = run.path
     if stage is not None:
-        directory = Path(((record or {}).get("stages") or {}).get(stage, {}).get("run_dir", ""))
+        directory = Path(stage_run_dirs(record).get(stage, ""))
     cfg = RunDir(directory).config if str(directory) else None
     if cfg is None or not cfg.is_file():
         return None
@@ -185,19 +185,6 @@ def _read_previous(stem: Path):
     return pd.DataFrame(columns=["trial_key"])
 
 
-def _run_curves(run_dir: Path, trial_key: str, stage: str):
-    import pandas as pd
-
-    path = RunDir(run_dir).curves
-    try:
-        frame = pd.read_csv(path) if path.is_file() else None
-    except (OSError, ValueError, pd.errors.ParserError):
-        return None
-    if frame is None or "step" not in frame or frame.empty:
-        return None
-    return frame.assign(trial_key=trial_key, stage=stage)
-
-
 def curves_table(df, sweep_dir: Path):
     """Every trial's curves: its run's (stage "") and, for a study in stages, each stage's (`stages.<name>.run_dir`
     in its record); trials whose run directory is not here keep the rows the folder's curves.parquet holds."""
@@ -210,10 +197,11 @@ def curves_table(df, sweep_dir: Path):
         if not run_dir.is_dir():
             frames.append(previous[previous["trial_key"] == row["trial_key"]])
             continue
-        record = RunDir(run_dir).read() or {}
-        parts = [(run_dir, "")] + [(Path(s["run_dir"]), name) for name, s in (record.get("stages") or {}).items()
-                                   if isinstance(s, dict) and s.get("run_dir")]
-        frames += [f for f in (_run_curves(d, row["trial_key"], stage) for d, stage in parts) if f is not None]
+        parts = [("", run_dir)] + [(name, Path(d)) for name, d in stage_run_dirs(RunDir(run_dir).read()).items()]
+        for stage, directory in parts:
+            frame = RunDir(directory).read_curves()
+            if frame is not None:
+                frames.append(frame.assign(trial_key=row["trial_key"], stage=stage))
     frames = [f for f in frames if not f.empty]
     if not frames:
         return None
