@@ -19,9 +19,36 @@ import sys
 from pathlib import Path
 
 
+def _path_problems(data_dir: str | None = None, out_dir: tuple[str, str | None] | None = None) -> list[str]:
+    """What is wrong with the folders a command was given, before it reads or writes anything: a --data-dir that is a
+    file, an output folder (--out, --results) that is a file, under a file, or in a folder this user cannot write."""
+    problems = []
+    if data_dir and Path(data_dir).exists() and not Path(data_dir).is_dir():
+        problems.append(f"--data-dir {data_dir} is a file; give the folder that holds the datasets")
+    if out_dir and out_dir[1]:
+        flag, path = out_dir[0], Path(out_dir[1])
+        existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+        if existing == path and not path.is_dir():
+            problems.append(f"{flag} {path} is a file; give a folder (it is created if missing)")
+        elif not existing.is_dir():
+            problems.append(f"{flag} {path} lies under {existing}, which is a file")
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            problems.append(f"{flag} {path}: this user cannot write in {existing}")
+    return problems
+
+
+def _cannot_write(command: str, err: OSError) -> int:
+    """A folder that turned out unwritable (e.g. read-only for everyone, root included) is bad input, not a crash."""
+    print(f"study {command}: cannot write {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+    return 2
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from study.config import ConfigError, load_experiment
 
+    if problems := _path_problems(args.data_dir, ("--out", args.out)):
+        print("study run: " + "; ".join(problems), file=sys.stderr)
+        return 2
     try:
         cfg = load_experiment(args.config, args.set or [])  # one experiment, or a pipeline of stages
     except (ConfigError, FileNotFoundError, ValueError) as err:
@@ -36,6 +63,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (DataError, RunDirConflict, ConfigError, ValueError) as err:
         print(f"study run: {err}", file=sys.stderr)
         return 2
+    except PermissionError as err:
+        return _cannot_write("run", err)
     summary = {k: v for k, v in metrics["metrics"].items() if not isinstance(v, dict)}
     print(json.dumps({"run_dir": str(out), "status": metrics["status"], "steps": metrics["steps"], **summary}, indent=2))
     return 0
@@ -56,6 +85,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     # the in-process worker (--workers 1) reports each trial as the worker processes do
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("study.sweep").setLevel(logging.INFO)
+    if problems := _path_problems(args.data_dir, ("--results", args.results)):
+        print("study sweep: " + "; ".join(problems), file=sys.stderr)
+        return 2
     opts = SweepOptions(results=args.results, storage=args.storage, workers=args.workers, threads=args.threads,
                         data_dir=args.data_dir, cache_dir=args.cache_dir, dry_run=args.dry_run,
                         runner=args.runner, estimate_rate=args.peak_flops)
@@ -68,6 +100,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     except SweepInterrupted as err:
         print(f"study sweep: {err}", file=sys.stderr)
         return 130
+    except PermissionError as err:
+        return _cannot_write("sweep", err)
     return 1 if final.get("failed") else 0
 
 

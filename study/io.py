@@ -9,6 +9,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """Call write(tmp_path) for a temporary file beside `path`, fsync it, then rename it over `path`."""
     path = Path(path)
@@ -20,6 +27,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
         write(tmp_path)
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes it 0600: give it the mode open() would have
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)

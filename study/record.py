@@ -22,6 +22,7 @@ ordinary run directory per part below it.
     schema             2 (records without it are schema 1: bench/results/run-*.json, older sweeps)
     status             completed | diverged (a result: training blew up, recorded with its step)
     diverged_at_step   the step, when diverged
+    divergence         {step, reason}: which part of the divergence rule stopped it (study.tasks.ledger); optional
     steps, train_tokens, stopped_by ('time' when the time budget ended training before max_steps)
     metrics            the task's final metrics, by the names its task family declares
     declared           {metric name: {direction, scale, constant, objective, description}}: the declarations of the

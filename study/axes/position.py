@@ -36,6 +36,7 @@ class PositionScheme(nn.Module, abc.ABC):
     def __init__(self, cfg, causal: bool):
         super().__init__()
         self.causal = causal
+        self.limit = type(self).max_positions(cfg)  # checked from Python ints (check_length), never from a tensor
 
     @staticmethod
     @abc.abstractmethod
@@ -50,6 +51,14 @@ class PositionScheme(nn.Module, abc.ABC):
     def max_positions(cls, cfg) -> int | None:
         """The longest sequence the scheme can address (a position table's size), or None when unbounded."""
         return None
+
+    def check_length(self, end: int) -> None:
+        """Refuse positions 0..end-1 when the scheme cannot address them (a position table of max_seq_len rows)."""
+        if self.limit is not None and end > self.limit:
+            name = next(n for n, c in POSITIONS.items() if c is type(self))
+            raise ValueError(
+                f"position {end - 1} is beyond max_seq_len={self.limit}: {name} position embeddings cannot "
+                f"extrapolate; raise max_seq_len or use position in {sorted(n for n in POSITIONS if n != name)}")
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -89,12 +98,8 @@ class LearnedPosition(PositionScheme):
         self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor:
-        last = int(positions[-1]) if positions.numel() else 0
-        if last >= self.max_seq_len:
-            raise ValueError(
-                f"position {last} is beyond max_seq_len={self.max_seq_len}: learned position embeddings "
-                f"cannot extrapolate; raise max_seq_len or use position in {sorted(p for p in POSITIONS if p != 'learned')}"
-            )
+        # (the stack checks the positions against max_positions before this lookup, from Python ints: reading the
+        # last position here would make every forward wait for the device)
         return self.table(positions)
 
 

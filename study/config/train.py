@@ -28,6 +28,10 @@ class TrainConfig(Config):
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float | None = 1.0
+    # A run has diverged when a step's training loss is not finite, or when the mean training loss between two
+    # logging steps exceeds this factor times the initial loss (the mean of the first 10 steps); None: only a
+    # non-finite loss counts. A diverged run is a result, recorded with its step (study.tasks.ledger).
+    divergence_factor: float | None = 4.0
     # Evaluate and save an exponential moving average of the weights instead of the last ones (Polyak & Juditsky
     # 1992; the averaged checkpoints of Vaswani et al. 2017); None -> off. 0.999 averages over ~1,000 steps.
     ema_decay: float | None = None
@@ -63,6 +67,8 @@ class TrainConfig(Config):
             p.check(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
         p.check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
         p.check(self.grad_clip is None or self.grad_clip > 0, "grad_clip", "must be > 0 or null")
+        p.check(self.divergence_factor is None or self.divergence_factor > 1, "divergence_factor",
+                f"must be > 1 or null, got {self.divergence_factor}")
         p.check(self.ema_decay is None or 0 < self.ema_decay < 1, "ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
         p.check(self.max_time_s is None or self.max_time_s > 0, "max_time_s", "must be > 0 or null")
         p.check(self.eval_batches is None or self.eval_batches >= 1, "eval_batches", "must be >= 1 or null")

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from study.model.precision import autocast_dtype
+from study.model.precision import autocast_dtype, host_reads_are_free
 
 
 # below log(1e-30) a float32 softmax loses digits (and underflows to 0 near 1e-38)
@@ -46,7 +46,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             b = bias.to(compute_dtype) if bias is not None else None
             valid = targets != ignore_index
             count = valid.sum()
-            any_ignored = bool(count < n)
+            # On the CPU reading a value costs nothing and saves whole passes over the chunk; on a GPU it would wait
+            # for the device, so there every row is masked and every pick corrected without asking.
+            reads_free = host_reads_are_free(h.device)
+            any_ignored = bool(count < n) if reads_free else True
             safe_targets = targets.clamp(min=0) if any_ignored else targets
             loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
             grad_h = torch.empty(n, h.shape[1], dtype=compute_dtype, device=h.device) if needs[0] else None
@@ -62,11 +65,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # softmax is several times faster than log_softmax on CPU; the picked
                 # log-probability is log(p) unless p underflows, where log_softmax decides.
                 p = torch.softmax(logits, dim=-1)
-                picked = p.gather(1, t).squeeze(1).log_()
-                tiny = picked < _LOG_TINY
-                if bool(tiny.any()):
-                    rows = tiny.nonzero().squeeze(1)
-                    picked[rows] = torch.log_softmax(logits[rows], dim=-1).gather(1, t[rows]).squeeze(1)
+                picked = _picked_log_probs(p, logits, t, reads_free)
                 del logits
                 if any_ignored:
                     keep = valid[start:end]
@@ -100,9 +99,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         grads = ctx.grads
-        if not bool(grad_loss == 1):
+        if not host_reads_are_free(grad_loss.device) or not bool(grad_loss == 1):
             grads = [None if g is None else g * grad_loss for g in grads]
         return grads[0], grads[1], grads[2], None, None, None, None
+
+
+def _picked_log_probs(p: torch.Tensor, logits: torch.Tensor, t: torch.Tensor, reads_free: bool) -> torch.Tensor:
+    """log p[target] of each row (chunk,): log of the softmax, which loses digits below _LOG_TINY, where log_softmax
+    takes over. Without host reads every row takes log p_t = (x_t - x_max) + log p_max (exact: p_max = 1 / sum exp(x -
+    x_max) never underflows) wherever the softmax's pick is tiny."""
+    picked = p.gather(1, t).squeeze(1).log_()
+    tiny = picked < _LOG_TINY
+    if reads_free:
+        if bool(tiny.any()):
+            rows = tiny.nonzero().squeeze(1)
+            picked[rows] = torch.log_softmax(logits[rows], dim=-1).gather(1, t[rows]).squeeze(1)
+        return picked
+    p_max, argmax = p.max(dim=-1, keepdim=True)
+    exact = (logits.gather(1, t) - logits.gather(1, argmax) + p_max.log()).squeeze(1)
+    return torch.where(tiny, exact, picked)
 
 
 def linear_cross_entropy(

@@ -5,6 +5,13 @@ from __future__ import annotations
 import torch
 
 
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether reading a tensor's value on the host (`.item()`, `bool()`, `.tolist()`) costs nothing on `device`: on
+    the CPU there is no queue of kernels to wait for; on a GPU each read stalls the host until the device catches up.
+    Code that branches on a value takes the branch only where this holds (tests patch it to run the device path)."""
+    return device.type == "cpu"
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The autocast dtype active for `device_type`, or None when autocast is off."""
     try:
@@ -32,6 +39,24 @@ def native_bf16(accelerator: str = "auto") -> bool:
     cpu = getattr(torch, "cpu", None)
     checks = (getattr(cpu, "_is_avx512_bf16_supported", None), getattr(cpu, "_is_amx_tile_supported", None))
     return any(bool(check()) for check in checks if check is not None)
+
+
+def enable_tf32(accelerator: str = "auto") -> bool:
+    """Let float32 matmuls and convolutions use TF32 on a CUDA GPU that has it (Ampere and later), as nanoGPT and
+    litgpt do: float32 training on an A100/H100 otherwise runs its matmuls at a fraction of the tensor cores' rate, for
+    precision (10-bit mantissa products, float32 accumulation) that training does not need. Returns whether it is on
+    (recorded in env.json). CPUs are left as they are."""
+    if accelerator not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability() < (8, 0):
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
+def tf32_enabled() -> bool:
+    return bool(torch.cuda.is_available() and torch.backends.cuda.matmul.allow_tf32)
 
 
 def resolve_precision(precision: str, accelerator: str = "auto") -> str:

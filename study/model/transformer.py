@@ -103,10 +103,11 @@ class Stack(nn.Module):
         """Hidden states (B, T, d) of `input_ids` (B, T). `padding_mask`/`memory_padding_mask`: (B, T) True for real
         tokens; with a cache, `padding_mask` covers the past and the new positions."""
         start = cache.length if cache is not None else 0
+        self.position.check_length(start + input_ids.shape[1])
         q_pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)  # (T,) absolute positions
         k_pos = torch.arange(0, start + input_ids.shape[1], device=input_ids.device) if start else q_pos  # (Tk,)
         h = self._embed(input_ids, token_type_ids, q_pos)  # (B, T, d)
-        inputs = StackInputs(self._masks(q_pos, k_pos, padding_mask, cache, _compute_dtype(h)),
+        inputs = StackInputs(self._masks(start, q_pos, k_pos, padding_mask, cache, _compute_dtype(h)),
                              self.position.rotary(q_pos), memory,
                              self._memory_bias(q_pos, memory, memory_padding_mask, _compute_dtype(h)), cache)
         for block in self.blocks:
@@ -135,11 +136,11 @@ class Stack(nn.Module):
             h = self.embedding_norm(h)
         return self.dropout(h)
 
-    def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, padding_mask: torch.Tensor | None,
+    def _masks(self, start: int, q_pos: torch.Tensor, k_pos: torch.Tensor, padding_mask: torch.Tensor | None,
                cache: KVCache | None, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor | None, bool]]:
-        """Attention span -> (additive bias (B|1, H|1, Tq, Tk) or None, is_causal), built once per forward."""
+        """Attention span -> (additive bias (B|1, H|1, Tq, Tk) or None, is_causal), built once per forward.
+        `start`: the first query's position (q_pos[0], known on the host: reading it from q_pos would sync)."""
         masks = {}
-        start = int(q_pos[0]) if q_pos.numel() else 0
         for span in set(self.attention_spans):
             window = self.cfg.window if span == "local" else None
             # with a cache, a sliding-window layer holds only its most recent past positions

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from study.model.precision import native_bf16
+from study.model.precision import native_bf16, tf32_enabled
 
 PACKAGES = ("torch", "lightning", "optuna", "tokenizers", "datasets", "sacrebleu", "transformers", "numpy", "pandas")
 
@@ -61,5 +61,6 @@ def snapshot(precision: str | None = None) -> dict[str, Any]:
         "precision": precision,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # e.g. AVX2, AVX512
         "native_bf16": native_bf16(),
+        "tf32_matmul": tf32_enabled(),  # float32 matmuls on TF32 tensor cores (study.model.precision.enable_tf32)
         "attention_kernels": attention_kernels(),
     }

@@ -27,7 +27,9 @@ class StepProgressBar(TQDMProgressBar):
         bar, step = self.train_progress_bar, trainer.global_step
         if bar is not None and self._should_update(step, bar.total):
             bar.n = step
-            bar.set_postfix(self.get_metrics(trainer, pl_module))
+            every = trainer.log_every_n_steps
+            if every > 0 and step % every == 0 or step == bar.total:  # the metrics read tensors: only when written
+                bar.set_postfix(self.get_metrics(trainer, pl_module))
             bar.refresh()
 
 

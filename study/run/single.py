@@ -20,6 +20,7 @@ import torch
 from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text
 from study.model.accounting import cost_summary
+from study.model.precision import enable_tf32
 from study.record import COMPLETED, DIVERGED, RunDir, make_record
 from study.run.conflict import finished_run
 from study.tasks import family
@@ -56,6 +57,27 @@ def _logged_rows_before(csv_path: Path, ckpt_path: Path) -> list[dict[str, str]]
         rows = list(csv.DictReader(f))
     return [{k: v for k, v in row.items() if k and v not in ("", None)}
             for row in rows if row.get("step", "").isdigit() and int(row["step"]) < step]
+
+
+def readable_checkpoint(run: RunDir) -> Path | None:
+    """The run's last checkpoint when it can be read, else None. Checkpoints are written atomically, so an unreadable
+    one was damaged from outside (a disk, a copy, a hand): it is moved aside with a warning (never deleted) and the
+    run starts from scratch, instead of failing the same way on every attempt."""
+    path = run.last_checkpoint
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or "state_dict" not in state or "global_step" not in state:
+            raise ValueError("not a Lightning checkpoint (no state_dict or global_step)")
+    except Exception as err:  # torch raises many kinds for a damaged file: each means the same here
+        if launch_rank() == 0:
+            aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
+            os.replace(path, aside)
+            log.warning("%s cannot be read (%s); moved to %s, training starts from scratch", path,
+                        str(err).splitlines()[0] if str(err) else type(err).__name__, aside.name)
+        return None
+    return path
 
 
 def launch_rank() -> int:
@@ -161,7 +183,8 @@ def _record(cfg: ExperimentConfig, trainer, module, final: dict[str, Any], timin
             "train_tokens_per_s": module.throughput(), "peak_memory_bytes": peak_memory_bytes(), **timing}
     return make_record(status, final, cost, steps=int(trainer.global_step), train_tokens=module.train_tokens,
                        diverged_at_step=module.diverged_at, stopped_by="time" if stopped_by_time else None,
-                       declared=task.declared() if declared is None else declared)
+                       declared=task.declared() if declared is None else declared,
+                       **({"divergence": module.divergence.to_dict()} if module.divergence else {}))
 
 
 def run_single(
@@ -188,13 +211,14 @@ def run_single(
     started = time.time()
     dm, cfg = _prepare_data(cfg, data_dir, cache_dir)
     finished_run(run, cfg, force, data_decided=())  # a directory holding another config's (unfinished) run
+    enable_tf32(cfg.train.accelerator)  # before env.json records it
     _write_inputs(run, cfg, dm)
 
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     module = family_.implementation()[1](cfg)
     if force:  # a rerun starts from scratch: the checkpoint there may be of another config
         run.last_checkpoint.unlink(missing_ok=True)
-    resume_from = run.last_checkpoint if run.last_checkpoint.exists() else None
+    resume_from = readable_checkpoint(run)
     trainer = _trainer(run, cfg, _loggers(run, cfg, resume_from))
     fit_started = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resume_from else None)

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from study.io import atomic_write, read_json, read_json_or_none
-from study.record import FINISHED, PENDING, RUNNING, RunDir, flatten_record, stage_run_dirs
+from study.record import DIVERGED, FINISHED, PENDING, RUNNING, RunDir, flatten_record, stage_run_dirs
 from study.sweep.layout import SweepLayout, read_tuned
 
 
@@ -35,7 +35,8 @@ def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tup
     if metrics and metrics.get("status") in FINISHED:
         if last.get("outcome") == "failed":  # finished, but failed by its worker (its objective is missing)
             return "failed", last.get("error", "")
-        return metrics["status"], ""
+        why = (metrics.get("divergence") or {}).get("reason", "") if metrics["status"] == DIVERGED else ""
+        return metrics["status"], why  # a diverged run says which part of the divergence rule stopped it
     if not attempts:
         return PENDING, ""
     if "ended" not in last:

@@ -14,7 +14,6 @@ import contextlib
 import math
 import re
 import time
-from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 import lightning as L
@@ -24,6 +23,7 @@ from torch import nn
 
 from study.config import ExperimentConfig, TrainConfig
 from study.model import build_model
+from study.tasks.ledger import Divergence, StepLedger
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
@@ -76,15 +76,24 @@ _LAYER = re.compile(r"(encoder|decoder)\.blocks\.(\d+)\.")
 
 
 def layer_grad_norms(model: nn.Module) -> dict[str, float]:
-    """L2 norm of the gradient of each block's parameters, keyed 'decoder.03' etc. (zero-padded so they sort)."""
-    sq: dict[str, float] = defaultdict(float)
+    """L2 norm of the gradient of each block's parameters, keyed 'decoder.03' etc. (zero-padded so they sort).
+
+    One `torch._foreach_norm` over every gradient and one transfer of the per-layer norms: a float() per parameter
+    would wait for the device once per parameter (hundreds of host syncs on a GPU)."""
+    keys, grads = [], []
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
         m = _LAYER.search(name)
-        key = f"{m.group(1)}.{int(m.group(2)):02d}" if m else "other"
-        sq[key] += float(p.grad.detach().float().pow(2).sum())
-    return {k: math.sqrt(v) for k, v in sq.items()}
+        keys.append(f"{m.group(1)}.{int(m.group(2)):02d}" if m else "other")
+        grads.append(p.grad.detach())
+    if not grads:
+        return {}
+    layers = sorted(set(keys))
+    squares = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2)  # (n_params,)
+    index = torch.tensor([layers.index(k) for k in keys], device=squares.device)
+    per_layer = torch.zeros(len(layers), device=squares.device).index_add_(0, index, squares).sqrt()
+    return dict(zip(layers, per_layer.tolist()))
 
 
 class StudyModule(L.LightningModule):
@@ -95,7 +104,9 @@ class StudyModule(L.LightningModule):
         # compiled forward kept outside the module tree, so state_dict keys never change
         object.__setattr__(self, "_compiled", torch.compile(self.model) if cfg.train.compile else None)
         self.diverged_at: int | None = None
-        self.train_tokens = 0
+        self.divergence: Divergence | None = None  # the rule that stopped the run, and where (study.tasks.ledger)
+        self.train_tokens = 0  # up to the last read of the ledger (every logging step, checkpoint and the end)
+        self.ledger = StepLedger(cfg.train.divergence_factor)
         self._step_started: float | None = None
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
@@ -114,8 +125,9 @@ class StudyModule(L.LightningModule):
         return self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
 
     # --- to implement ---------------------------------------------------------------
-    def training_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
-        """(mean loss, number of target tokens) for one batch."""
+    def training_loss(self, batch: Any) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """(mean loss, number of target tokens) for one batch; a count that needs the batch's values stays a tensor
+        (reading it here would make every step wait for the device)."""
         raise NotImplementedError
 
     def validation_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
@@ -176,37 +188,50 @@ class StudyModule(L.LightningModule):
         self._step_started = time.perf_counter()
 
     def training_step(self, batch: Any, batch_idx: int):
+        # Nothing here reads a device tensor: the loss and token count go to the ledger, read at logging steps.
         loss, n_tokens = self.training_loss(batch)
         self.step_logs["train/loss"] = loss.detach()
         self.step_logs["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
-        diverged = not bool(torch.isfinite(loss))
-        if self.trainer.world_size > 1:  # every rank must skip the step together, or DDP hangs
-            diverged = self.trainer.strategy.reduce_boolean_decision(diverged, all=False)
-        if diverged:
-            # a diverged run is a result: stop cleanly and record where it happened
-            self.diverged_at = int(self.global_step)
-            self.trainer.should_stop = True
-            return None
-        if self.trainer.world_size > 1:  # count every rank's tokens: throughput is the whole job's
-            n_tokens = int(self.trainer.strategy.reduce(torch.tensor(float(n_tokens), device=loss.device),
-                                                        reduce_op="sum"))
-        self.train_tokens += n_tokens
-        self._batch_tokens = n_tokens
+        self.ledger.add(int(self.global_step), loss, n_tokens)
         return loss
 
     def on_train_batch_end(self, outputs, batch: Any, batch_idx: int) -> None:
-        if self._step_started is not None and outputs is not None:
-            self.step_times.append(time.perf_counter() - self._step_started)
-            self.step_tokens.append(self._batch_tokens)
         # `self.log` only on the steps Lightning writes (every log_every steps, and the last one): each call costs
         # ~0.6 ms on CPU, 2-4% of a small model's step if made every step. A value logged on some other step
         # would be written, stale, under the next written step; this hook runs after the callbacks' (a Timer
         # that ends the run sets should_stop there), so the last step is never missed.
-        every = self.trainer.log_every_n_steps
-        if self.step_logs and (self.trainer.should_stop or (every > 0 and self.global_step % every == 0)):
+        every, trainer = self.trainer.log_every_n_steps, self.trainer
+        last = trainer.should_stop or (trainer.max_steps > 0 and self.global_step >= trainer.max_steps)
+        written = last or (every > 0 and self.global_step % every == 0)
+        if written:
+            self.settle()  # before the step's time is taken: on a GPU the read waits for the queued steps
+        if self._step_started is not None:
+            self.step_times.append(time.perf_counter() - self._step_started)
+        if self.step_logs and written:
             for name, value in self.step_logs.items():
                 self.log(name, value, prog_bar=name == "train/loss", on_step=True, on_epoch=False)
         self.step_logs = {}
+        if self.diverged_at is not None:  # a diverged run is a result: stop cleanly, its step recorded
+            trainer.should_stop = True
+
+    def settle(self) -> None:
+        """Read the ledger (one host sync): count the tokens of the steps read, and apply the divergence rule."""
+        reduce = None
+        if self.trainer.world_size > 1:  # every rank reads at the same steps; throughput is the whole job's
+            reduce = lambda counts: self.trainer.strategy.reduce(counts, reduce_op="sum")  # noqa: E731
+        read = self.ledger.read(reduce)
+        if read is None:
+            return
+        found = self.ledger.divergence(read) if self.diverged_at is None else None
+        diverged = found is not None
+        if self.trainer.world_size > 1:  # every rank must stop together, or DDP hangs
+            diverged = self.trainer.strategy.reduce_boolean_decision(diverged, all=False)
+        if diverged and self.diverged_at is None:
+            self.divergence = found or Divergence(read.steps[-1], "another rank's training loss diverged")
+            self.diverged_at = self.divergence.step
+        counted = [t for s, t in zip(read.steps, read.tokens) if self.diverged_at is None or s < self.diverged_at]
+        self.step_tokens += counted
+        self.train_tokens += sum(counted)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         loss, n_tokens = self.validation_loss(batch)
@@ -214,11 +239,14 @@ class StudyModule(L.LightningModule):
 
     # --- exact resume ---------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.settle()  # the ledger's steps up to this checkpoint are counted in it
         checkpoint["study"] = {
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "train_tokens": self.train_tokens,
             "diverged_at": self.diverged_at,
+            "divergence": self.divergence.to_dict() if self.divergence else None,
+            "initial_losses": list(self.ledger.reference),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -229,13 +257,19 @@ class StudyModule(L.LightningModule):
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         self.train_tokens = state.get("train_tokens", 0)
         self.diverged_at = state.get("diverged_at")
+        self.divergence = Divergence(**state["divergence"]) if state.get("divergence") else None
+        self.ledger.reference = list(state.get("initial_losses", []))
+
+    def on_train_end(self) -> None:
+        self.settle()  # the steps after the last logging step (a run stopped between them)
 
     # --- measurements ---------------------------------------------------------------
     def throughput(self, skip: int = 5) -> float | None:
         """Training tokens per second over the timed steps, skipping warm-up steps."""
-        times, tokens = self.step_times[skip:], self.step_tokens[skip:]
+        counted = len(self.step_tokens)  # the steps before a divergence, read from the ledger
+        times, tokens = self.step_times[skip:counted], self.step_tokens[skip:counted]
         if not times:
-            times, tokens = self.step_times, self.step_tokens
+            times, tokens = self.step_times[:counted], self.step_tokens
         return sum(tokens) / sum(times) if times and sum(times) > 0 else None
 
 
@@ -256,8 +290,8 @@ class ExponentialMovingAverage(WeightAveraging):
         super().__init__(use_buffers=False, multi_avg_fn=self._update)  # buffers are constants (no batch norm here)
 
     def _update(self, averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor) -> None:
-        n = float(num_averaged)
-        torch._foreach_lerp_(averaged, current, 1.0 - min(self.decay, (1.0 + n) / (10.0 + n)))
+        n = num_averaged.to(averaged[0].dtype)  # kept on the device: a float() here would sync every step
+        torch._foreach_lerp_(averaged, current, 1.0 - ((1.0 + n) / (10.0 + n)).clamp(max=self.decay))
 
 
 def length_grouped_batches(lengths: Sequence[int], batch_size: int, generator: torch.Generator,
@@ -329,9 +363,12 @@ class StudyDataModule(L.LightningDataModule):
     def _loader(self, dataset, **kwargs) -> torch.utils.data.DataLoader:
         # A private generator: creating iterators must not draw from the global RNG,
         # or a resumed run's dropout masks would differ from an uninterrupted run's.
+        # Pinned host memory lets a CUDA copy run asynchronously (Lightning moves batches with non_blocking=True).
+        on_cuda = torch.cuda.is_available() and self.cfg.train.accelerator in ("auto", "gpu", "cuda")
+        workers = self.cfg.train.num_workers
         return torch.utils.data.DataLoader(
-            dataset, generator=torch.Generator().manual_seed(self.cfg.train.seed),
-            num_workers=self.cfg.train.num_workers, **kwargs,
+            dataset, generator=torch.Generator().manual_seed(self.cfg.train.seed), num_workers=workers,
+            pin_memory=on_cuda, **kwargs,
         )
 
     def train_dataloader(self):

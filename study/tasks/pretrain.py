@@ -381,8 +381,9 @@ class PretrainModule(StudyModule):
         return out
 
     @staticmethod
-    def _real_tokens(batch) -> int:
-        return int((batch["input_ids"] != PAD).sum()) if "padding_mask" in batch else batch["input_ids"].numel()
+    def _real_tokens(batch) -> torch.Tensor | int:
+        """The batch's non-padding tokens (a tensor: the ledger reads it at logging steps)."""
+        return (batch["input_ids"] != PAD).sum() if "padding_mask" in batch else batch["input_ids"].numel()
 
     def training_loss(self, batch) -> tuple[torch.Tensor, int]:
         out = self.losses(batch)

@@ -139,7 +139,7 @@ class TranslationModule(StudyModule):
             logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
             label_smoothing=self.cfg.train.label_smoothing,
         )
-        return loss, int((labels != IGNORE).sum())
+        return loss, (labels != IGNORE).sum()  # a tensor: read at logging steps (study.tasks.ledger)
 
     def validation_loss(self, batch) -> tuple[torch.Tensor, int]:
         logits = self.forward_model(batch["src"], batch["tgt_in"], batch["src_mask"])

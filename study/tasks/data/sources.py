@@ -263,7 +263,8 @@ def load_from_sources(
     if root is None:
         reasons.append(f"local: no data folder given (neither --data-dir / data_dir nor ${DATA_DIR_ENV} is set)")
     elif not root.is_dir():
-        reasons.append(f"local: the data folder {root} does not exist")
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        reasons.append(f"local: the data folder {root} {what}")
         missing.append(str(root))
     else:
         local = locate_local(root, source, files)

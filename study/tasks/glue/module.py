@@ -40,7 +40,7 @@ class GlueModule(StudyModule):
             loss = F.mse_loss(out.squeeze(-1), batch["labels"])
         else:
             loss = F.cross_entropy(out, batch["labels"])
-        tokens = int(batch["padding_mask"].sum()) if "padding_mask" in batch else batch["input_ids"].numel()
+        tokens = batch["padding_mask"].sum() if "padding_mask" in batch else batch["input_ids"].numel()  # read later
         return loss, tokens
 
     @torch.no_grad()
