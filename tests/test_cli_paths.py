@@ -63,3 +63,11 @@ def test_a_permission_error_while_writing_is_one_line_naming_the_file(workdir, m
     assert main(["run", str(workdir / "exp.yaml"), "--out", str(workdir / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"study run: cannot write {workdir / 'run' / 'config.yaml'}: Permission denied"
+
+
+def test_a_binary_sweep_spec_is_named_as_not_yaml(workdir, capsys):
+    spec = workdir / "spec.yaml"
+    spec.write_bytes(b"\xff\xfe\x00binary")
+    assert main(["sweep", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec}: not valid YAML" in err and "Traceback" not in err

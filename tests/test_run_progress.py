@@ -51,3 +51,18 @@ def test_a_run_is_named_by_its_task_dataset_and_seed():
     cfg = ExperimentConfig.from_dict({"model": {"preset": "gpt2", "d_model": 32, "n_layers": 1, "n_heads": 2},
                                       "task": {"name": "lm", "dataset": "tinyshakespeare"}, "train": {"seed": 3}})
     assert run_name(cfg) == "lm/tinyshakespeare seed 3"
+
+
+def test_without_a_bar_a_run_prints_plain_step_lines_for_its_log(capsys):
+    """A sweep's trial has no bar (its output is trial.log): it prints `NAME step N/MAX train/...=V (R steps/s)` lines
+    at logged steps (here every_s=0: each one) and at the last step, and no carriage-return bar."""
+    from study.run.progress import StepLines
+
+    data = DataLoader(TensorDataset(torch.randn(8, 2), torch.randn(8, 1)), batch_size=2)
+    L.Trainer(max_steps=7, accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
+              enable_progress_bar=False, log_every_n_steps=3,
+              callbacks=[StepLines("lm/tinyshakespeare seed 2", every_s=0.0)]).fit(_Tiny(), data)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lm/tinyshakespeare seed 2")]
+    assert [line.split()[4] for line in lines] == ["3/7", "6/7", "7/7"]
+    assert all(line.endswith("steps/s)") for line in lines)
+    assert "\r" not in "".join(lines)

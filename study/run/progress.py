@@ -6,9 +6,10 @@ resumes."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -37,3 +38,30 @@ def run_name(cfg) -> str:
     """'lm/tinyshakespeare seed 0', 'glue/SST-2 seed 1': the task, its dataset (a GLUE run: its task) and the
     seed, so a suite's or a pipeline's runs can be told apart in the terminal."""
     return f"{cfg.task.name}/{cfg.task.dataset} seed {cfg.train.seed}"
+
+
+class StepLines(Callback):
+    """The progress of a run without a progress bar (a sweep's trial, whose output goes to trial.log): one plain line
+    `glue/SST-2 seed 1 step 120/400 train/loss=0.52 (8.1 steps/s)` at a written step at most every `every_s` seconds,
+    and at the last step. It reads only what the step already logged, so it adds no host sync."""
+
+    def __init__(self, name: str, every_s: float = 10.0):
+        self.name, self.every_s = name, every_s
+        self._last: tuple[float, int] | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._last = (time.monotonic(), trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        step, now = trainer.global_step, time.monotonic()
+        every = trainer.log_every_n_steps
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        if self._last is None or not (last or (every > 0 and step % every == 0 and now - self._last[0] >= self.every_s)):
+            return
+        rate = (step - self._last[1]) / max(now - self._last[0], 1e-9)
+        logs = getattr(pl_module, "step_logs", None) or trainer.logged_metrics  # this step's values (read: a written step)
+        metrics = {k: v for k, v in logs.items() if k.startswith("train/") and k != "train/lr"}
+        shown = " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items()))
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else "?"
+        print(f"{self.name} step {step}/{total} {shown} ({rate:.2f} steps/s)", flush=True)
+        self._last = (now, step)

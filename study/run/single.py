@@ -153,10 +153,10 @@ def _trainer(run: RunDir, cfg: ExperimentConfig, loggers: list):
         every_n_train_steps=t.checkpoint_every or t.eval_every, save_on_train_epoch_end=False,
     )
     callbacks: list = [checkpoint]
-    if t.progress_bar:
-        from study.run.progress import StepProgressBar, run_name
+    from study.run.progress import StepLines, StepProgressBar, run_name
 
-        callbacks.append(StepProgressBar(run_name(cfg)))
+    # a bar on a terminal; plain lines where the output is a log file (a sweep's trial.log)
+    callbacks.append(StepProgressBar(run_name(cfg)) if t.progress_bar else StepLines(run_name(cfg)))
     if t.ema_decay is not None:
         callbacks.append(ExponentialMovingAverage(t.ema_decay))
     return L.Trainer(

@@ -97,7 +97,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
         raise SweepSpecError(f"sweep spec {path} does not exist")
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, UnicodeDecodeError) as err:  # a binary file is not YAML either
         raise SweepSpecError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise SweepSpecError(f"{path}: a sweep spec is a mapping (name, base, axes, seeds, ...)")
