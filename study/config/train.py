@@ -29,7 +29,7 @@ class TrainConfig(Config):
     adam_eps: float = 1e-8
     grad_clip: float | None = 1.0
     # A run has diverged when a step's training loss is not finite, or when the mean training loss between two
-    # logging steps exceeds this factor times the initial loss (the mean of the first 10 steps); None: only a
+    # logging steps exceeds this factor times the initial loss (the first step's, before any update); None: only a
     # non-finite loss counts. A diverged run is a result, recorded with its step (study.tasks.ledger).
     divergence_factor: float | None = 4.0
     # Evaluate and save an exponential moving average of the weights instead of the last ones (Polyak & Juditsky

@@ -6,9 +6,9 @@ of a device tensor stalls the CPU until all queued kernels have run, so a per-st
 would serialise the host with the device on every step.
 
 The divergence rule (docs/experiments.md): a run has diverged when a step's training loss is not finite, or when the
-mean training loss of the steps between two reads exceeds `train.divergence_factor` times the initial loss (the mean
-over the first `REFERENCE_STEPS` steps). A blow-up that stays finite (lr 10 without clipping: a loss of hundreds
-against an initial ~8) is then recorded as `diverged` with its step instead of being averaged into a variant's
+mean training loss of the steps between two reads exceeds `train.divergence_factor` times the initial loss (the first
+step's, before any update: a mean over later steps would already hold a fast blow-up). A blow-up that stays finite
+(lr 10 without clipping: a loss of hundreds against an initial ~4) is then recorded as `diverged` with its step instead of being averaged into a variant's
 interval as a completed run. A healthy run's loss stays below its initial value (the initial loss is about that of a
 uniform prediction), so the factor only has to be large enough for the noise of one read's steps.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-REFERENCE_STEPS = 10  # the steps whose mean loss is the run's initial loss
+REFERENCE_STEPS = 1  # the run's initial loss is its first step's: the model as initialised, before any update
 
 
 @dataclass
@@ -84,7 +84,7 @@ class StepLedger:
         return None
 
     def initial_loss(self) -> float | None:
-        """The mean loss of the first REFERENCE_STEPS steps, once they have been read."""
+        """The mean loss of the first REFERENCE_STEPS steps (the first step's), once read."""
         if len(self.reference) < REFERENCE_STEPS:
             return None
         return sum(self.reference) / len(self.reference)

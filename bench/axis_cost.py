@@ -1,0 +1,229 @@
+"""What each value of each design axis costs in time, measured so that a speed verdict reflects the idea, not our code.
+
+For every registered value of every axis (`study.axes.AXES`: norm, norm_position, position, activation) plus attention
+sharing (n_kv_heads: MHA, GQA, MQA) and sliding windows (a few `model.window` sizes), with only that field changed
+from the default sweep's baseline (`experiments/ablation_base.yaml`: a 4-layer, 128-wide llama2-style decoder,
+batch 16 x 128 tokens, character vocabulary), two times:
+
+  isolated   forward + backward of the smallest piece that holds the axis: the norm module (norm), the FFN
+             (activation), a one-layer stack with embeddings, position scheme, masks and final norm (the others);
+  step       one full training step of the whole model: forward, fused cross-entropy, backward, fused AdamW step,
+             zero_grad.
+
+Each is reported as a ratio to the axis's baseline value (the first value listed below) measured in the same run:
+contestants alternate a round at a time with the first one rotated, and the ratio is the median over rounds of
+that round's ratio (time of the value / time of the baseline), so machine noise lands on all of them.
+
+A third section times RMSNorm's kernels against LayerNorm (forward + backward, fp32 and bf16 autocast): today's
+`RMSNorm` (analytic backward), the plain formula it replaced, `F.rms_norm`, and `F.layer_norm`.
+
+    python bench/axis_cost.py                     # ~4-5 min on one AVX2 core; JSON to bench/results/
+    python bench/axis_cost.py --rounds 3 --steps 1   # faster, noisier
+    python bench/axis_cost.py --quick             # smoke test: 1 round, 1 step, nothing written
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from study.axes import AXES, NORMS, default_d_ff  # noqa: E402
+from study.axes.norm import RMSNorm, rms_norm_reference  # noqa: E402
+from study.config.presets import preset  # noqa: E402
+from study.model.ffn import FeedForward  # noqa: E402
+from study.model.transformer import DecoderLM, Stack  # noqa: E402
+
+BATCH, SEQ, VOCAB = 16, 128, 65  # the default sweep: 16 x 128 characters of Tiny Shakespeare (65 symbols)
+BASE_YAML = ROOT / "experiments" / "ablation_base.yaml"
+WINDOWS = (None, 64, 32, 16)  # global first (the baseline), then local spans
+KERNEL_SHAPES = ((16, 128, 128), (8, 256, 512))
+
+
+def base_config():
+    model = dict(yaml.safe_load(BASE_YAML.read_text())["model"])
+    return preset(model.pop("preset"), **model, vocab_size=VOCAB)
+
+
+def axis_variants(base) -> dict[str, list[tuple[str, object]]]:
+    """axis -> [(value label, config)], the baseline's value first; invalid combinations are skipped (printed)."""
+    variants: dict[str, list[tuple[str, object]]] = {}
+    for field, registry in AXES.items():
+        values = sorted(registry.names(), key=lambda v: v != getattr(base, field))  # baseline first, then as registered
+        changes = [(v, {field: v}) for v in values]
+        if field == "activation":  # d_ff at each activation's own default, so the FFN keeps its parameter count
+            changes = [(v, {field: v, "d_ff": default_d_ff(base.d_model, registry[v].gated)}) for v in values]
+        variants[field] = _valid(base, field, changes)
+    heads = base.n_heads
+    sharing = [("mha", heads), ("gqa", heads // 2), ("mqa", 1)]
+    variants["attention"] = _valid(base, "n_kv_heads", [(n, {"n_kv_heads": kv}) for n, kv in sharing])
+    variants["window"] = _valid(base, "window", [("global" if w is None else f"local-{w}", {"window": w})
+                                                 for w in WINDOWS])
+    return variants
+
+
+def _valid(base, field: str, changes: list[tuple[str, dict]]) -> list[tuple[str, object]]:
+    out = []
+    for label, change in changes:
+        try:
+            out.append((label, base.replace(**change)))
+        except Exception as error:  # a value this baseline cannot take (the config lists why)
+            print(f"  skip {field}={label}: {str(error).splitlines()[0]}")
+    return out
+
+
+def isolated_fn(axis: str, cfg) -> Callable[[], None]:
+    """Forward + backward of the smallest module holding `axis`, on a batch of the default sweep's shape."""
+    torch.manual_seed(0)
+    if axis in ("norm", "activation"):
+        module = NORMS[cfg.norm](cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias) if axis == "norm" else FeedForward(cfg)
+        x = torch.randn(BATCH, SEQ, cfg.d_model, requires_grad=True)
+        return lambda: module(x).sum().backward()
+    embedding = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
+    stack = Stack(cfg.replace(n_layers=1), 1, causal=True, cross=False, token_embedding=embedding)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
+    return lambda: stack(ids).sum().backward()
+
+
+def step_fn(cfg) -> Callable[[], None]:
+    """One training step of the whole model: forward, fused loss, backward, AdamW, zero_grad."""
+    torch.manual_seed(0)
+    model = DecoderLM(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1))
+
+    def step() -> None:
+        model.loss(ids[:, :-1], ids[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_alternating(fns: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int = 1) -> dict:
+    """Seconds per call of each fn, a round at a time with the first contestant rotated; ratios to the first key
+    are the median of the per-round ratios."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            for _ in range(steps):
+                fns[name]()
+            seconds[name].append((time.perf_counter() - start) / steps)
+    base = seconds[names[0]]
+    return {n: {"ms": 1e3 * statistics.median(s), "ratio": statistics.median(a / b for a, b in zip(s, base)),
+                "round_ratios": [round(a / b, 4) for a, b in zip(s, base)]} for n, s in seconds.items()}
+
+
+def kernel_fns(shape: tuple[int, ...], autocast: bool) -> dict[str, Callable[[], None]]:
+    """RMSNorm's candidate kernels and LayerNorm over the last dim of `shape`, forward + backward."""
+    torch.manual_seed(0)
+    d = shape[-1]
+    x, dy = torch.randn(*shape, requires_grad=True), torch.randn(*shape)
+    ours = RMSNorm(d)
+    weight = ours.weight
+    layer_norm_weight, layer_norm_bias = torch.ones(d, requires_grad=True), torch.zeros(d, requires_grad=True)
+    candidates = {
+        "layernorm (F.layer_norm, fused)": lambda: F.layer_norm(x, (d,), layer_norm_weight, layer_norm_bias, 1e-5),
+        "rmsnorm (ours: analytic backward)": lambda: ours(x),
+        "rmsnorm (plain formula, before)": lambda: rms_norm_reference(x, weight, 1e-6),
+        "rmsnorm (F.rms_norm)": lambda: F.rms_norm(x, (d,), weight, 1e-6),
+    }
+
+    def run(fn):
+        def call():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = fn()
+            y.backward(dy)
+        return call
+
+    return {name: run(fn) for name, fn in candidates.items()}
+
+
+def machine(threads: int) -> dict:
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.processor())
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    return {"cpu": model, "avx512_bf16": "avx512_bf16" in flags.split(), "avx2": "avx2" in flags.split(),
+            "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def print_table(title: str, rows: dict[str, dict], columns: tuple[str, ...]) -> None:
+    print(f"\n{title}")
+    print(f"  {'value':36s}" + "".join(f"{c + ' ms':>16s}{c + ' ratio':>16s}" for c in columns))
+    for name, row in rows.items():
+        print(f"  {name:36s}" + "".join(f"{row[c]['ms']:16.3f}{row[c]['ratio']:15.3f}x" for c in columns))
+
+
+def measure_axes(rounds: int, steps: int) -> dict:
+    base = base_config()
+    results = {}
+    for axis, variants in axis_variants(base).items():
+        isolated = time_alternating({label: isolated_fn(axis, cfg) for label, cfg in variants}, rounds, 3 * steps)
+        step = time_alternating({label: step_fn(cfg) for label, cfg in variants}, rounds, steps)
+        rows = {label: {"isolated": isolated[label], "step": step[label]} for label, _ in variants}
+        print_table(f"axis {axis} (baseline {variants[0][0]})", rows, ("isolated", "step"))
+        results[axis] = rows
+    return results
+
+
+def measure_kernels(rounds: int, steps: int) -> dict:
+    results = {}
+    for shape in KERNEL_SHAPES:
+        for autocast in (False, True):
+            key = f"{'x'.join(map(str, shape))} {'bf16 autocast' if autocast else 'fp32'}"
+            timed = time_alternating(kernel_fns(shape, autocast), rounds, 10 * steps)
+            print_table(f"norm kernels, forward + backward, {key} (ratios to LayerNorm)",
+                        {n: {"fwd+bwd": t} for n, t in timed.items()}, ("fwd+bwd",))
+            results[key] = timed
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (median of per-round ratios)")
+    parser.add_argument("--steps", type=int, default=2, help="timed training steps per contestant per round")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a shared machine)")
+    parser.add_argument("--skip-axes", action="store_true", help="only the norm kernels")
+    parser.add_argument("--quick", action="store_true", help="1 round of 1 step; writes nothing")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default bench/results/axis-cost-<date>.json)")
+    args = parser.parse_args(argv)
+    rounds, steps = (1, 1) if args.quick else (args.rounds, args.steps)
+    torch.set_num_threads(args.threads)
+    info = machine(args.threads)
+    print(f"machine: {info}")
+    start = time.perf_counter()
+    record = {"machine": info, "rounds": rounds, "steps": steps, "batch": [BATCH, SEQ], "vocab": VOCAB,
+              "norm_kernels": measure_kernels(rounds, steps)}
+    if not args.skip_axes:
+        record["axes"] = measure_axes(rounds, steps)
+    record["wall_s"] = round(time.perf_counter() - start, 1)
+    print(f"\n{record['wall_s']} s")
+    if not args.quick:
+        out = args.out or ROOT / "bench" / "results" / f"axis-cost-{_dt.date.today().isoformat()}.json"
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
