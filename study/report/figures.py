@@ -16,11 +16,22 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from matplotlib import ticker
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from study.record import COSTS as RECORD_COSTS
 from study.report.collect import SPLIT_WORDS, SweepResults, by_length_columns, metric_column
+from study.report.figure_layout import (
+    BASELINE_COLOUR,
+    N_DISTINCT,
+    bulk_limits,
+    distinct_colours,
+    label_points,
+    pin_beyond,
+    readable_axes,
+)
 from study.report.stats import mean_ci, paired_differences, pareto_front, summarize
 
 COSTS = (  # column, axis label, better (from study.record.COSTS' declared direction)
@@ -28,7 +39,6 @@ COSTS = (  # column, axis label, better (from study.record.COSTS' declared direc
     ("cost.parameters", "parameters"),
     ("cost.kv_cache_bytes_per_token", "KV cache"),
 )
-BASELINE_COLOUR = (0.15, 0.15, 0.15)
 
 
 def metric_label(metric: str, scale: str | None = None) -> str:
@@ -52,16 +62,12 @@ def curve_label(results: SweepResults, task: str, column: str) -> str:
 
 
 def variant_palette(labels: list[str], baseline: str | None = None) -> dict[str, tuple]:
-    """One colour per variant, fixed by the variant's place in the plan: the baseline is dark grey."""
-    colours = sns.color_palette("tab10", 10) + sns.color_palette("Dark2", 8) + sns.color_palette("Set1", 9)
-    palette, i = {}, 0
-    for label in labels:
-        if label == baseline:
-            palette[label] = BASELINE_COLOUR
-        else:
-            palette[label] = tuple(colours[i % len(colours)])
-            i += 1
-    return palette
+    """One colour per variant, fixed by the variant's place in the plan and distinct for up to N_DISTINCT variants
+    besides the baseline, which is always dark grey."""
+    colours = distinct_colours(N_DISTINCT)
+    others = [label for label in labels if label != baseline]
+    palette = {label: colours[i % len(colours)] for i, label in enumerate(others)}
+    return {label: BASELINE_COLOUR if label == baseline else palette[label] for label in labels}
 
 
 def slug(text: str) -> str:
@@ -90,11 +96,13 @@ class FigureInfo:
 
 def _new(ncols: int = 1, width: float = 6.4, height: float = 4.2) -> tuple[Figure, list]:
     fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    FigureCanvasAgg(fig)  # a renderer to measure text with, without pyplot's global state
     axes = fig.subplots(1, ncols, squeeze=False)[0]
     return fig, list(axes)
 
 
 def _finish(fig: Figure, series: list[str]) -> Figure:
+    readable_axes(fig)
     fig._study_series = list(series)
     return fig
 
@@ -104,44 +112,70 @@ def _n_text(n: int) -> str:
 
 
 # -- 1. metric per variant with 95% CIs ----------------------------------------------------------------
+def _values_by_variant(done: pd.DataFrame, variants: list[tuple[str, str]], metric_col: str) -> dict[str, pd.Series]:
+    """Each variant's finite per-seed values of `metric_col` (empty for a variant without a completed trial)."""
+    return {label: pd.to_numeric(done.loc[done["label"] == label, metric_col], errors="coerce").dropna()
+            if metric_col in done else pd.Series(dtype=float) for _, label in variants}
+
+
+def _draw_variant(ax, x: int, vals: pd.Series, colour, is_baseline: bool, limits, rng) -> float:
+    """One variant's seeds (jittered dots), mean and 95% t interval at `x`; whatever lies beyond `limits` (an
+    outlying seed, the interval it widens) is pinned to the edge with its value. Returns the mean."""
+    ci = mean_ci(vals)
+    lo, hi = limits or (-math.inf, math.inf)
+    inside = vals[(vals >= lo) & (vals <= hi)]
+    ax.scatter(x + rng.uniform(-0.12, 0.12, len(vals))[: len(inside)], inside, s=18, color=colour, alpha=0.45,
+               linewidths=0, zorder=2)
+    yerr = None if not ci.has_ci else [[ci.mean - ci.lo], [ci.hi - ci.mean]]
+    ax.errorbar([x], [ci.mean], yerr=yerr, fmt="D" if is_baseline else "o", color=colour, ms=7, capsize=5,
+                elinewidth=1.8, zorder=3)
+    top = ci.hi if ci.has_ci else ci.mean
+    if limits:
+        beyond = [("seed", v) for v in vals if not lo <= v <= hi] + [("mean", ci.mean)]
+        beyond += [("95% CI to", ci.lo), ("95% CI to", ci.hi)] if ci.has_ci else []
+        pin_beyond(ax, x, beyond, limits, colour)
+    if top > hi:  # the pinned values' labels stand right of the edge marker: n goes left of it, inside the axes
+        ax.annotate(_n_text(ci.n), (x, hi), textcoords="offset points", xytext=(-7, -9), ha="right", va="center",
+                    fontsize=7, color="0.35")
+    else:
+        ax.annotate(_n_text(ci.n), (x, top), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7,
+                    color="0.35")
+    return ci.mean
+
+
 def plot_metric_by_variant(done: pd.DataFrame, variants: list[tuple[str, str]], metric_col: str, palette: dict,
                            title: str, baseline: str | None = None, xlabel: str = "variant",
                            ylabel: str | None = None) -> Figure:
     """Per-seed points and the mean with its 95% t interval for each (tick, label) in `variants`.
-    Variants without a completed trial keep their tick, marked 'no completed run'."""
+    Variants without a completed trial keep their tick, marked 'no completed run'. An outlying seed does not
+    squash the rest: the axis keeps to the bulk (`bulk_limits`) and the outlier is pinned to its edge."""
     fig, (ax,) = _new(width=max(5.0, 1.1 * len(variants) + 2))
+    values = _values_by_variant(done, variants, metric_col)
+    limits = bulk_limits(values)
     series = []
     rng = np.random.default_rng(0)
-    base_mean = math.nan
     for x, (tick, label) in enumerate(variants):
-        vals = pd.to_numeric(done.loc[done["label"] == label, metric_col], errors="coerce").dropna() \
-            if metric_col in done else pd.Series(dtype=float)
-        colour = palette.get(label, BASELINE_COLOUR)
-        if vals.empty:
+        if values[label].empty:
             ax.annotate("no completed\nrun", (x, 0.5), xycoords=("data", "axes fraction"), ha="center", va="center",
                         fontsize=8, color="0.4")
             continue
-        ci = mean_ci(vals)
+        mean = _draw_variant(ax, x, values[label], palette.get(label, BASELINE_COLOUR), label == baseline, limits,
+                             rng)
         series.append(label)
-        ax.scatter(x + rng.uniform(-0.12, 0.12, len(vals)), vals, s=18, color=colour, alpha=0.45, linewidths=0,
-                   zorder=2)
-        yerr = None if not ci.has_ci else [[ci.mean - ci.lo], [ci.hi - ci.mean]]
-        ax.errorbar([x], [ci.mean], yerr=yerr, fmt="D" if label == baseline else "o", color=colour, ms=7, capsize=5,
-                    elinewidth=1.8, zorder=3, label=label)
-        ax.annotate(_n_text(ci.n), (x, ci.hi if ci.has_ci else ci.mean), textcoords="offset points", xytext=(0, 6),
-                    ha="center", fontsize=7, color="0.35")
         if label == baseline:
-            base_mean = ci.mean
-    if not math.isnan(base_mean):
-        ax.axhline(base_mean, color=BASELINE_COLOUR, lw=0.8, ls="--", zorder=1)
+            ax.axhline(mean, color=BASELINE_COLOUR, lw=0.8, ls="--", zorder=1)
     ticks = [t.replace("=", "=\n").replace(",", ",\n") for t, _ in variants]
     ticks = [f"{t}\n(baseline)" if lbl == baseline and t != "baseline" else t for t, (_, lbl) in zip(ticks, variants)]
     ax.set_xticks(range(len(variants)), ticks, fontsize=8 if len(variants) > 6 else None)
-    ax.margins(y=0.12)
+    if limits:
+        ax.set_ylim(*limits)
+    else:
+        ax.margins(y=0.12)
     ax.set_xlim(-0.6, len(variants) - 0.4)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel or metric_label(metric_col))
-    ax.set_title(f"{title}\nmean and 95% t interval over seeds; dots are single seeds", fontsize=10)
+    note = "\n▲▼: beyond the axis, value written" if limits else ""
+    ax.set_title(f"{title}\nmean and 95% t interval over seeds; dots are single seeds{note}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     return _finish(fig, series)
 
@@ -202,13 +236,18 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
     task = task or (str(rows["task"].dropna().iloc[0]) if "task" in rows and rows["task"].notna().any()
                     else results.tasks[0])
     curves = results.curve_columns(task)
-    fig, axes = _new(ncols=2, width=5.6)
-    series = set()
-    for ax, column, name in zip(axes, (curves["train"], curves["valid"]), ("training", "validation")):
+    panels = []
+    for column, name in ((curves["train"], "training"), (curves["valid"], "validation")):
         frame = _curve_frame(results, rows, column, stage)
+        frame = frame[frame["label"].isin(labels)]
         if smooth > 1 and column == curves["train"] and len(frame):
             frame[column] = frame.groupby(["label", "seed"])[column].transform(
                 lambda s: s.rolling(smooth, min_periods=1).mean())
+        if len(frame):  # a column none of these variants logged gets no panel
+            panels.append((column, name, frame))
+    fig, axes = _new(ncols=max(1, len(panels)), width=5.6)
+    series = set()
+    for ax, (column, name, frame) in zip(axes, panels):
         for label in labels:
             sub = frame[frame["label"] == label]
             if sub.empty:
@@ -224,11 +263,7 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
         ax.set_title(f"{name}: {column}" + (f" (rolling mean of {smooth} logs)" if column == curves["train"]
                                             and smooth > 1 else ""), fontsize=10)
         ax.grid(alpha=0.3)
-        if not len(frame):
-            ax.text(0.5, 0.5, "no logged curves found", transform=ax.transAxes, ha="center", color="0.4")
-    handles, names = axes[1].get_legend_handles_labels()
-    if not handles:
-        handles, names = axes[0].get_legend_handles_labels()
+    handles, names = axes[-1].get_legend_handles_labels()  # validation: the curves every variant logs
     if handles:
         fig.legend(handles, names, fontsize=7, loc="outside right upper")  # beside the panels, never on data
     fig.suptitle(f"{title}\nmean over seeds; band: min to max over seeds", fontsize=10)
@@ -237,55 +272,73 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
 
 
 # -- 3. quality against cost with the Pareto front ------------------------------------------------------
+def _cost_points(done: pd.DataFrame, labels: list[str], metric_col: str, cost: str) -> pd.DataFrame:
+    """Per variant with a completed trial and the cost recorded: the metric's mean and 95% t interval (`mean`,
+    `ci_lo`, `ci_hi`) and the cost's (`x`, `x_lo`, `x_hi`); empty when no variant has both."""
+    if metric_col not in done or cost not in done:
+        return pd.DataFrame()
+    s = summarize(done, metric_col, order=labels, extra=[cost])
+    xs = summarize(done, cost, order=labels)
+    s = s.assign(x=s[cost], x_lo=xs["ci_lo"], x_hi=xs["ci_hi"])
+    return s[s["n"] > 0].dropna(subset=["x", "mean"])
+
+
+def _cost_panel(ax, s: pd.DataFrame, cost: str, name: str, x_better: str, y_better: str, palette: dict) -> None:
+    """One cost's panel: each variant's mean with its intervals on both axes, the Pareto front ringed and joined."""
+    front = pareto_front(s["x"], s["mean"], x_better, y_better)
+    for (_, r), on_front in zip(s.iterrows(), front):
+        colour = palette.get(r["label"], BASELINE_COLOUR)
+        yerr = [[r["mean"] - r["ci_lo"]], [r["ci_hi"] - r["mean"]]] if pd.notna(r["ci_lo"]) else None
+        xerr = [[r["x"] - r["x_lo"]], [r["x_hi"] - r["x"]]] if pd.notna(r["x_lo"]) and r["x_hi"] > r["x_lo"] else None
+        ax.errorbar([r["x"]], [r["mean"]], yerr=yerr, xerr=xerr, fmt="o", color=colour, ms=6, capsize=3, zorder=3)
+        if on_front:
+            ax.scatter([r["x"]], [r["mean"]], s=180, facecolors="none", edgecolors="black", linewidths=1.2, zorder=4)
+    f = s[front].sort_values("x")
+    if len(f) > 1:
+        ax.plot(f["x"], f["mean"], color="black", lw=1, ls="--", zorder=2)
+    ax.set_xlabel(f"{cost_axis(cost, name)[0]} ({x_better} is better)")
+    ax.margins(0.08)  # room inside the frame for the labels of points on its edge
+    ax.grid(alpha=0.3)
+    if cost == "cost.parameters" and s["x"].max() / max(s["x"].min(), 1) > 20:
+        ax.set_xscale("log")
+    else:  # few ticks: a cost's numbers are long ('7,200,000') and must not run into each other
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=4))
+
+
 def plot_quality_vs_cost(done: pd.DataFrame, labels: list[str], metric_col: str, direction: str, palette: dict,
                          title: str, baseline: str | None = None, ylabel: str | None = None) -> Figure:
-    """Mean metric (95% t interval) against each cost per variant; the Pareto front (no variant is
-    both cheaper and better) ringed and joined. Only the front and the baseline are named on the plot."""
-    fig, axes = _new(ncols=len(COSTS), width=4.6, height=4.4)
-    series = set()
+    """Mean metric (95% t interval) against each recorded cost per variant; the Pareto front (no variant is both
+    cheaper and better) ringed and joined. Every point carries its variant's number, placed where it collides with
+    no other label (`label_points`); the legend beside the panels names the numbers. A cost no variant recorded
+    gets no panel; with none recorded the figure has no series."""
+    panels = [(cost, name, s) for cost, name in COSTS if len(s := _cost_points(done, labels, metric_col, cost))]
+    longest = max((len(lbl) for lbl in labels), default=0)
+    fig, axes = _new(ncols=max(1, len(panels)), width=4.6, height=4.4)
+    # room for the two-line title over one panel, and for the legend beside the panels
+    fig.set_figwidth(max(fig.get_figwidth(), 6.4) + 0.75 + 0.055 * longest)
+    series, points = set(), []
+    numbers = {lbl: i + 1 for i, lbl in enumerate(labels)}
     y_better = "lower" if direction == "minimize" else "higher"
-    for ax, (cost, name) in zip(axes, COSTS):
-        cost_label, x_better = cost_axis(cost, name)
-        s = summarize(done, metric_col, order=labels, extra=[cost]) if metric_col in done else pd.DataFrame()
-        if cost in done:
-            xs = summarize(done, cost, order=labels)
-            s = s.assign(x=s[cost], x_lo=xs["ci_lo"], x_hi=xs["ci_hi"])
-        s = s[s["n"] > 0].dropna(subset=["x"]) if len(s) and "x" in s else pd.DataFrame()
-        if s.empty:
-            ax.text(0.5, 0.5, f"{cost} not recorded", transform=ax.transAxes, ha="center", color="0.4")
-            ax.set_xlabel(cost_label)
-            continue
-        front = pareto_front(s["x"], s["mean"], x_better, y_better)
-        for (_, r), on_front in zip(s.iterrows(), front):
-            colour = palette.get(r["label"], BASELINE_COLOUR)
-            yerr = [[r["mean"] - r["ci_lo"]], [r["ci_hi"] - r["mean"]]] if pd.notna(r["ci_lo"]) else None
-            xerr = ([[r["x"] - r["x_lo"]], [r["x_hi"] - r["x"]]]
-                    if pd.notna(r["x_lo"]) and r["x_hi"] > r["x_lo"] else None)
-            ax.errorbar([r["x"]], [r["mean"]], yerr=yerr, xerr=xerr, fmt="o", color=colour, ms=6, capsize=3,
-                        label=r["label"], zorder=3)
-            if on_front:
-                ax.scatter([r["x"]], [r["mean"]], s=180, facecolors="none", edgecolors="black", linewidths=1.2,
-                           zorder=4)
-            if on_front or r["label"] == baseline:
-                ax.annotate(r["label"], (r["x"], r["mean"]), textcoords="offset points", xytext=(5, 4), fontsize=6.5,
-                            color=colour)
-            series.add(r["label"])
-        f = s[front].sort_values("x")
-        if len(f) > 1:
-            ax.plot(f["x"], f["mean"], color="black", lw=1, ls="--", zorder=2)
-        ax.set_xlabel(f"{cost_label} ({x_better} is better)")
+    for ax, (cost, name, s) in zip(axes, panels):
+        _cost_panel(ax, s, cost, name, cost_axis(cost, name)[1], y_better, palette)
         ax.set_ylabel(f"{ylabel or metric_label(metric_col)} ({y_better} is better)")
-        ax.grid(alpha=0.3)
-        if cost in ("cost.parameters",) and s["x"].max() / max(s["x"].min(), 1) > 20:
-            ax.set_xscale("log")
-    handles = [Line2D([], [], marker="o", ls="", color=palette.get(lbl, BASELINE_COLOUR), label=lbl)
-               for lbl in labels if lbl in series]
+        points.append((ax, [(r["x"], r["mean"], str(numbers[r["label"]]), palette.get(r["label"], BASELINE_COLOUR))
+                            for _, r in s.iterrows()]))
+        series |= set(s["label"])
+    drawn = [lbl for lbl in labels if lbl in series]
+    if not drawn:
+        return _finish(fig, [])
+    handles = [Line2D([], [], marker="o", ls="", color=palette.get(lbl, BASELINE_COLOUR),
+                      label=f"{numbers[lbl]}  {lbl}" + (" (baseline)" if lbl == baseline and lbl != "baseline" else ""))
+               for lbl in drawn]
     handles.append(Line2D([], [], marker="o", ms=11, mfc="none", mec="black", ls="--", color="black",
                           label="Pareto front"))
-    fig.legend(handles=handles, loc="outside right upper", fontsize=7)
+    fig.legend(handles=handles, loc="outside right center", fontsize=7)  # clear of the centred title
     fig.suptitle(f"{title}\nquality against cost: mean and 95% t interval; ringed points are on the Pareto front",
                  fontsize=10)
-    return _finish(fig, [lbl for lbl in labels if lbl in series])
+    readable_axes(fig)  # the tick labels the labels are placed around
+    label_points(fig, points)
+    return _finish(fig, drawn)
 
 
 # -- 4. perplexity against evaluation length -------------------------------------------------------------
@@ -346,7 +399,6 @@ def plot_grad_norms(results: SweepResults, rows: pd.DataFrame, variants: list[tu
                     title: str) -> Figure:
     """Gradient norm of each layer's parameters per variant: at the first logged step (initialisation,
     as in Xiong et al. 2020, Fig. 3) and averaged over the rest of training; mean over seeds."""
-    fig, axes = _new(ncols=2, width=5.4)
     series = []
     layer_names: list[str] = []
     per_variant = {}
@@ -367,7 +419,11 @@ def plot_grad_norms(results: SweepResults, rows: pd.DataFrame, variants: list[tu
             layer_names = list(dict.fromkeys(layer_names + [c.split("/", 1)[1] for c in cols]))
         if first:
             per_variant[(tick, label)] = (pd.DataFrame(first), pd.DataFrame(rest) if rest else None)
-    for ax, which, name in zip(axes, (0, 1), ("at the first logged step (initialisation)", "mean over training")):
+    panels = [(0, "at the first logged step (initialisation)")]
+    if any(rest is not None for _, rest in per_variant.values()):  # one logged step: no 'over training' panel
+        panels.append((1, "mean over training"))
+    fig, axes = _new(ncols=len(panels), width=5.4)
+    for ax, (which, name) in zip(axes, panels):
         for (tick, label), frames in per_variant.items():
             frame = frames[which]
             if frame is None or frame.empty:
@@ -476,15 +532,17 @@ class _TaskFigures:
                       self.task, None, "no variant shares a completed seed with the baseline")
 
     def metric(self) -> None:
-        fig = plot_metric_by_variant(self.done, [(lbl, lbl) for lbl in self.labels], self.mcol, self.palette,
-                                     f"{self.head}: every variant", baseline=self.base, ylabel=self.ylabel)
-        self.emit(fig, f"{self.prefix}{self.name}-all-variants", f"{self.name} for every variant", "metric",
-                  self.task)
-        for axis, variants in self.one_factor.items():
-            fig = plot_metric_by_variant(self.done, variants, self.mcol, self.palette, f"{self.head}: {axis}",
-                                         baseline=self.base, xlabel=axis, ylabel=self.ylabel)
-            self.emit(fig, f"{self.prefix}{self.name}-by-{axis}", f"{self.name} by {axis}", "metric", self.task,
-                      axis)
+        """Every variant, then one figure per axis; one where no variant has a finite value is not drawn."""
+        figures = [(None, [(lbl, lbl) for lbl in self.labels], "every variant", "all-variants", "for every variant")]
+        figures += [(axis, variants, axis, f"by-{axis}", f"by {axis}") for axis, variants in self.one_factor.items()]
+        for axis, variants, heading, suffix, words in figures:
+            fig = plot_metric_by_variant(self.done, variants, self.mcol, self.palette, f"{self.head}: {heading}",
+                                         baseline=self.base, xlabel=axis or "variant", ylabel=self.ylabel)
+            name, title = f"{self.prefix}{self.name}-{suffix}", f"{self.name} {words}"
+            if fig._study_series:
+                self.emit(fig, name, title, "metric", self.task, axis)
+            else:
+                self.skip(name, title, "metric", self.task, axis, f"no completed trial has a value of {self.name}")
 
     def curves(self) -> None:
         """Per axis for one-factor slices, else all variants. A study in stages: each earlier stage's curves (the
@@ -510,8 +568,12 @@ class _TaskFigures:
     def cost(self) -> None:
         fig = plot_quality_vs_cost(self.done, self.labels, self.mcol, self.direction, self.palette, self.head,
                                    baseline=self.base, ylabel=self.ylabel)
-        self.emit(fig, f"{self.prefix}{self.name}-vs-cost", f"{self.name} against cost, Pareto front", "cost",
-                  self.task)
+        name, title = f"{self.prefix}{self.name}-vs-cost", f"{self.name} against cost, Pareto front"
+        if fig._study_series:
+            self.emit(fig, name, title, "cost", self.task)
+        else:
+            self.skip(name, title, "cost", self.task, None, "no completed trial recorded both "
+                      f"{self.name} and a cost ({', '.join(c for c, _ in COSTS)})")
 
     def extrapolation(self) -> None:
         if not length_columns(self.done):
