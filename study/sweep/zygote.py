@@ -1,0 +1,228 @@
+"""Start trial processes without paying the imports each time: a zygote that imports torch, Lightning and the run layer
+once, then forks one process per trial.
+
+A fresh `python -m study.sweep.trial` per trial costs its interpreter start and about 5-8 s of imports (torch,
+Lightning, the tasks) before training starts: more than the training of a short sweep trial. A forked child of a
+process that has already imported them starts in milliseconds, and keeps what a fresh process per trial guarantees:
+
+* its memory is its own and goes back to the OS when it exits;
+* it can be killed alone (its pid), and it dies with its worker (the zygote dies with the worker, the child with the
+  zygote: PR_SET_PDEATHSIG at each link);
+* its RNG state does not depend on earlier trials: torch, NumPy and Python's `random` are seeded from the OS in each
+  child, as a new interpreter seeds them (and the run layer then seeds everything from the trial's seed);
+* it never holds the storage URL: the zygote is started from the worker with the same environment a trial gets, which
+  has no $STUDY_STORAGE, and before the worker reads anything else.
+
+The zygote never runs a torch operation, so no OpenMP thread pool or CUDA context exists when it forks (neither
+survives a fork); each child sets its own thread count. Python's multiprocessing 'forkserver' does the same for
+functions; here a child runs the trial's command line (`study.sweep.trial.main`), so the worker keeps supervising an
+exit code and a log file, as with a subprocess.
+
+Protocol (one JSON object per line): the worker writes {"argv", "log", "threads", "env"}; the zygote answers
+{"pid"} at once and {"pid", "exit"} when that child ends. End of input (the worker closed the pipe or died): the
+zygote kills its children and exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import traceback
+from typing import Any
+
+from study.sweep.trial import DEFAULT_RUNNER
+
+# What the default runner imports before training; a custom runner (the sweep tests' fakes) preloads its own module.
+HEAVY = ("torch", "lightning", "study.run", "study.tasks.lm", "study.tasks.translation", "study.tasks.glue",
+         "study.tasks.pretrain")
+
+
+def preload(runner: str) -> None:
+    modules = HEAVY if runner == DEFAULT_RUNNER else ("study.sweep.trial", runner.partition(":")[0])
+    for name in modules:
+        importlib.import_module(name)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG), so that a killed worker never
+    leaves an orphan training into a run directory a retry will use. Linux only; elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+class LineReader:
+    """Lines from a pipe with a timeout. (A buffered file object cannot be combined with select: a second line already
+    in its buffer would never wake select up.)"""
+
+    def __init__(self, fd: int):
+        self.fd, self.buffer = fd, b""
+
+    def readline(self, timeout: float | None) -> str | None:
+        """The next line (without its newline); None at end of input; raises TimeoutError after `timeout` s."""
+        while b"\n" not in self.buffer:
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.decode()
+
+
+def _child(request: dict[str, Any]) -> None:
+    """In the forked child: output to the trial's log, the trial's environment and threads, run it, exit. Never
+    returns (os._exit: the zygote's atexit handlers and buffers are not the child's to run)."""
+    code = 1
+    try:
+        die_with_parent()
+        if os.getppid() == 1:  # the zygote died before the line above took effect
+            os._exit(1)
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # the zygote's command pipe is not the trial's
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        threads = str(request["threads"])
+        os.environ.update({**(request.get("env") or {}), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+        if "torch" in sys.modules:  # imported before the fork: the variables above come too late for it
+            sys.modules["torch"].set_num_threads(int(request["threads"]))
+            sys.modules["torch"].seed()  # a new interpreter's generator is seeded from the OS: so is a child's
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()  # (Python's `random` reseeds itself after a fork)
+        from study.sweep.trial import main
+
+        code = main(request["argv"]) or 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the trial's error goes to its log, as a subprocess's would
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _reap(children: set[int], out) -> None:
+    """Report every child that has ended."""
+    for pid in list(children):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            children.discard(pid)
+            out.write(json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status)}) + "\n")
+            out.flush()
+
+
+def serve(runner: str) -> None:
+    """The zygote's loop: preload, then fork a child per request until the worker goes away."""
+    preload(runner)
+    commands, out = LineReader(sys.stdin.fileno()), sys.stdout
+    children: set[int] = set()
+    try:
+        while True:
+            try:
+                line = commands.readline(0.1)
+            except TimeoutError:
+                _reap(children, out)
+                continue
+            if line is None:
+                break
+            out.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(json.loads(line))
+            children.add(pid)
+            out.write(json.dumps({"pid": pid}) + "\n")
+            out.flush()
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+
+
+class TrialProcess:
+    """A forked trial, supervised like a `subprocess.Popen`: `wait(timeout)` (raises subprocess.TimeoutExpired) and
+    `kill()`."""
+
+    def __init__(self, zygote: "Zygote", pid: int):
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_of(self.pid, timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Zygote:
+    """The worker's side: start the zygote once, then `start(argv, log, threads, env)` for each trial."""
+
+    def __init__(self, runner: str, env: dict[str, str]):
+        self.process = subprocess.Popen([sys.executable, "-m", "study.sweep.zygote", "--runner", runner],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+                                        preexec_fn=die_with_parent)
+        self.replies = LineReader(self.process.stdout.fileno())
+
+    def start(self, argv: list[str], log: str, threads: int, env: dict[str, str]) -> TrialProcess:
+        self._send({"argv": argv, "log": log, "threads": threads, "env": env})
+        return TrialProcess(self, int(self._receive(None)["pid"]))
+
+    def exit_of(self, pid: int, timeout: float | None) -> int:
+        """The exit code of child `pid`, waiting up to `timeout` seconds for it."""
+        message = self._receive(timeout)
+        if message.get("pid") != pid or "exit" not in message:
+            raise RuntimeError(f"trial zygote: expected the end of {pid}, got {message}")
+        return int(message["exit"])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+
+    def _receive(self, timeout: float | None) -> dict[str, Any]:
+        try:
+            line = self.replies.readline(timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.process.args, timeout) from None
+        if line is None:
+            raise RuntimeError(f"trial zygote exited (code {self.process.wait()})")
+        return json.loads(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m study.sweep.zygote")
+    parser.add_argument("--runner", default=DEFAULT_RUNNER)
+    serve(parser.parse_args(argv).runner)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

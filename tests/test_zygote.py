@@ -1,0 +1,117 @@
+"""The trial zygote: a process that imports once and forks one child per trial. A child runs the trial's command line
+with the trial's environment and thread count, writes its output to the trial's log, reports its exit code, can be
+killed alone, starts from the same RNG state as every other child, and dies with its worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from study.sweep.zygote import Zygote
+
+RUNNER = "tests.zygote_runners:run"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def zygote(tmp_path):
+    (tmp_path / "point.yaml").write_text(yaml.safe_dump({
+        "name": "z", "model": {"preset": "gpt2", "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 16},
+        "task": {"name": "lm", "dataset": "tinyshakespeare", "seq_len": 16}}))
+    env = {k: v for k, v in os.environ.items() if k != "STUDY_STORAGE"}
+    env["PYTHONPATH"] = str(ROOT)
+    z = Zygote(RUNNER, env)
+    yield z, tmp_path
+    z.close()
+
+
+def _argv(tmp_path: Path, run: str, seed: int = 0) -> list[str]:
+    return ["--config", str(tmp_path / "point.yaml"), "--seed", str(seed), "--run-dir", str(tmp_path / run),
+            "--runner", RUNNER]
+
+
+def test_a_child_runs_the_trial_with_its_environment_and_threads_and_logs_its_output(zygote):
+    z, tmp = zygote
+    child = z.start(_argv(tmp, "a", seed=3), str(tmp / "a.log"), threads=1, env={"STUDY_ZYGOTE_MODE": "ok"})
+    assert child.wait(timeout=60) == 0
+    out = (tmp / "a" / "out.txt").read_text().split()
+    assert out[0] == "seed=3" and out[1] == "mode=ok" and out[2] == "threads=1"
+    assert "hello from the trial" in (tmp / "a.log").read_text()
+
+
+def test_a_failing_trial_reports_its_exit_code_and_its_traceback_goes_to_the_log(zygote):
+    z, tmp = zygote
+    child = z.start(_argv(tmp, "b"), str(tmp / "b.log"), threads=1, env={"STUDY_ZYGOTE_MODE": "fail"})
+    assert child.wait(timeout=60) == 1
+    assert "RuntimeError: scripted failure" in (tmp / "b.log").read_text()
+
+
+@pytest.mark.parametrize("runner", [RUNNER, "study.run:run_experiment"])
+def test_every_child_draws_fresh_random_numbers_as_a_new_interpreter_would(tmp_path, runner):
+    """torch and Python's `random` are seeded from the OS in each child (a new interpreter's are): nothing carries
+    over from one trial to the next, whether torch was imported before the fork (the default runner preloads it) or
+    after."""
+    env = {k: v for k, v in os.environ.items() if k != "STUDY_STORAGE"}
+    z = Zygote(runner, {**env, "PYTHONPATH": str(ROOT)})
+    (tmp_path / "point.yaml").write_text(yaml.safe_dump({"name": "z", "task": {"name": "lm"}}))
+    draws = []
+    try:
+        for run in ("c1", "c2"):
+            argv = _argv(tmp_path, run)
+            argv[-1] = RUNNER  # the trial itself is the scripted one
+            assert z.start(argv, str(tmp_path / f"{run}.log"), 1, {"STUDY_ZYGOTE_MODE": "ok"}).wait(120) == 0
+            draws.append(dict(kv.split("=") for kv in (tmp_path / run / "out.txt").read_text().split()[3:]))
+    finally:
+        z.close()
+    assert draws[0]["torch"] != draws[1]["torch"] and draws[0]["python"] != draws[1]["python"]
+
+
+def test_a_child_can_be_killed_and_a_wait_times_out_meanwhile(zygote):
+    z, tmp = zygote
+    child = z.start(_argv(tmp, "d"), str(tmp / "d.log"), 1, {"STUDY_ZYGOTE_MODE": "sleep"})
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.5)
+    child.kill()
+    assert child.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_the_children_die_with_the_worker(tmp_path):
+    """A worker killed with SIGKILL takes its zygote and the zygote's trial with it."""
+    (tmp_path / "point.yaml").write_text(yaml.safe_dump({"name": "z", "task": {"name": "lm"}}))
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from study.sweep.zygote import Zygote
+        env = dict(os.environ, PYTHONPATH={str(ROOT)!r}, STUDY_ZYGOTE_MODE="sleep")
+        z = Zygote({RUNNER!r}, env)
+        child = z.start({_argv(tmp_path, "e")!r}, {str(tmp_path / "e.log")!r}, 1, {{}})
+        print(z.process.pid, child.pid, flush=True)
+        time.sleep(600)
+    """)
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    zygote_pid, trial_pid = map(int, worker.stdout.readline().split())
+    deadline = time.time() + 30
+    while not (tmp_path / "e" / "sleeping").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and (_alive(zygote_pid) or _alive(trial_pid)):
+        time.sleep(0.1)
+    assert not _alive(zygote_pid) and not _alive(trial_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

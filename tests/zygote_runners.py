@@ -1,0 +1,26 @@
+"""A trial runner for tests/test_zygote.py, scripted by $STUDY_ZYGOTE_MODE: ok (record what the child sees), fail,
+sleep (until killed)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+
+def run(cfg, run_dir, data_dir=None, cache_dir=None):
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mode = os.environ.get("STUDY_ZYGOTE_MODE", "ok")
+    print("hello from the trial")
+    if mode == "fail":
+        raise RuntimeError("scripted failure")
+    if mode == "sleep":
+        (run_dir / "sleeping").write_text("")
+        time.sleep(600)
+    import torch
+
+    threads = torch.get_num_threads()
+    draws = f"torch={torch.rand(1).item()!r} python={random.random()!r}"
+    (run_dir / "out.txt").write_text(f"seed={cfg.train.seed} mode={mode} threads={threads} {draws}\n")
