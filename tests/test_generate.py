@@ -17,6 +17,8 @@ from study.config import ModelConfig
 from study.model import build_model
 from study.model.generate import beam_search, greedy_decode, length_normalise, sample
 
+from beam_search_reference import reference_beam_search
+
 V = 16
 PAD, BOS, EOS = 0, 1, 2
 
@@ -333,11 +335,19 @@ def test_sample_is_reproducible_with_a_generator_and_respects_top_k():
 @pytest.mark.parametrize("decode", ["greedy", "beam"])
 def test_the_measured_kv_cache_is_k_and_v_of_every_kept_position_and_shrinks_with_kv_heads(decode):
     """`stats["kv_cache_bytes"]`, read off the cache's tensors, is K and V of n_kv_heads heads for every hypothesis,
-    every decoder layer and every position it holds (the tokens fed plus the encoder memory for cross-attention):
-    with every output run to its limit, MHA : GQA : MQA = 4 : 2 : 1 (Shazeer 2019; Ainslie et al. 2023)."""
-    src, mask = batch(4, lengths=(5, 3, 7, 1))
+    every decoder layer and every position it holds (the tokens fed plus the encoder memory for cross-attention),
+    at the step where that is largest: greedy keeps every sentence to the end; beam search drops a sentence once it
+    is done (here: at its length limit, its step t = limit feeding the forced EOS's predecessor). With every output
+    run to its limit, MHA : GQA : MQA = 4 : 2 : 1 (Shazeer 2019; Ainslie et al. 2023)."""
+    lengths = (5, 3, 7, 1)
+    src, mask = batch(4, lengths=lengths)
     a, b, beam = 1.0, 2, (1 if decode == "greedy" else 3)
-    fed = int(a * 7 + b) + 1  # the longest limit, plus the step that feeds the forced EOS's predecessor
+    limits = [int(a * n + b) for n in lengths]
+    if decode == "greedy":
+        rows_by_positions = len(lengths) * (max(limits) + 1 + src.shape[1])
+    else:  # after step t the cache holds t + 1 fed positions for each sentence whose limit is t or later
+        rows_by_positions = max(beam * sum(limit >= t for limit in limits) * (t + 1 + src.shape[1])
+                                for t in range(max(limits) + 1))
     measured = {}
     for kv in (4, 2, 1):
         model = EOSBias(tiny_model(4, n_kv_heads=kv), bias=-1e4)  # EOS never wins: every output to its limit
@@ -346,7 +356,78 @@ def test_the_measured_kv_cache_is_k_and_v_of_every_kept_position_and_shrinks_wit
         greedy_decode(model, src, mask, **kw) if decode == "greedy" else beam_search(model, src, mask, beam_size=beam,
                                                                                        **kw)
         head_dim, layers = 32 // 4, 2
-        rows = src.shape[0] * beam
-        assert stats["kv_cache_bytes"] == 2 * kv * head_dim * 4 * rows * layers * (fed + src.shape[1])
+        assert stats["kv_cache_bytes"] == 2 * kv * head_dim * 4 * layers * rows_by_positions
         measured[kv] = stats["kv_cache_bytes"]
     assert measured[4] == 2 * measured[2] == 4 * measured[1]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The vectorised beam search against the per-sentence loop it replaced (issue 21; tests/beam_search_reference.py)
+
+
+def random_case(seed: int):
+    """A random tiny model and batch: position scheme, K/V heads, vocabulary, source lengths and how soon EOS
+    becomes likely all drawn from `seed`, so hypotheses end at many lengths, by EOS and at the limit."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    vocab = pick([6, 16, 40])  # 6: fewer candidates than 2k at the first step for k = 5
+    overrides = dict(position=pick(["rope", "alibi", "learned", "t5_bias", "sinusoidal"]), n_kv_heads=pick([1, 2, 4]),
+                     vocab_size=vocab)
+    if overrides["position"] == "learned":
+        overrides["max_seq_len"] = 12  # a * |src| + b exceeds the table: the length cap decides some ends
+    lengths = torch.randint(1, 11, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+    src = torch.full((len(lengths), max(lengths)), PAD, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        src[i, :n] = torch.randint(3, vocab, (n,), generator=g)
+    eos_bias = dict(bias=float(torch.empty(1).uniform_(-4, 0, generator=g)),
+                    slope=float(torch.empty(1).uniform_(0, 0.8, generator=g)))
+    return EOSBias(tiny_model(seed, **overrides), **eos_bias), src, src != PAD
+
+
+@pytest.mark.parametrize("seed, use_cache", [(s, True) for s in range(12)] + [(s, False) for s in range(12, 16)])
+def test_beam_search_returns_what_the_per_sentence_loop_returned(seed, use_cache):
+    model, src, mask = random_case(seed)
+    for k in (1, 2, 3, 5):
+        for alpha in (0.0, 0.6, 1.0):
+            kw = dict(bos=BOS, eos=EOS, beam_size=k, length_penalty=alpha, max_len_a=1.2, max_len_b=3,
+                      use_cache=use_cache)
+            assert beam_search(model, src, mask, **kw) == reference_beam_search(model, src, mask, **kw), kw
+
+
+@pytest.mark.parametrize("table, default", [(GREEDY_TRAP, {EOS: 1.0}), (SHORT_OR_LONG, KEEP_GOING)])
+def test_beam_search_equals_the_loop_on_the_hand_made_tables(table, default):
+    src, mask = table_src(3)
+    for k in (1, 2, 3, 4):  # 4 and 3 exceed the tables' few non-negligible candidates
+        for alpha in (0.0, 1.0):
+            kw = dict(bos=BOS, eos=EOS, beam_size=k, length_penalty=alpha)
+            new = beam_search(TableModel(table, default), src, mask, **kw)
+            assert new == reference_beam_search(TableModel(table, default), src, mask, **kw), kw
+
+
+class RowCounter(EOSBias):
+    """Records how many hypotheses each decoder step was fed."""
+
+    def __init__(self, model, bias: float):
+        super().__init__(model, bias)
+        self.rows: list[int] = []
+
+    def decode(self, tgt, memory, memory_mask=None, cache=None):
+        self.rows.append(tgt.shape[0])
+        return super().decode(tgt, memory, memory_mask, cache)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_finished_sentence_leaves_the_batch(use_cache):
+    """Every output runs to its limit (a * |src| + b = 7, 5, 9, 3); a sentence is fed at steps 0..limit (the last
+    one gives the forced EOS), so step t runs k rows for each sentence whose limit is t or later."""
+    lengths, k = (5, 3, 7, 1), 3
+    model = RowCounter(tiny_model(4), bias=-1e4)
+    src, mask = batch(4, lengths=lengths)
+    out = beam_search(model, src, mask, bos=BOS, eos=EOS, beam_size=k, max_len_a=1.0, max_len_b=2,
+                      use_cache=use_cache)
+    limits = [n + 2 for n in lengths]
+    assert [len(h) for h in out] == limits
+    assert model.rows == [k * sum(limit >= t for limit in limits) for t in range(max(limits) + 1)]

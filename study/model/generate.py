@@ -21,19 +21,32 @@ class _Decoder:
     def __init__(self, model: EncoderDecoderLM, memory, memory_mask, use_cache: bool):
         self.model, self.memory, self.memory_mask = model, memory, memory_mask
         self.cache = KVCache() if use_cache else None
+        self.peak_cache_bytes = 0  # beam search drops finished sentences, so the cache is largest mid-way
 
     def step(self, prefix: torch.Tensor) -> torch.Tensor:
         """Log-probabilities of the next token after `prefix` (rows, t)."""
         tokens = prefix[:, -1:] if self.cache is not None else prefix
         logits = self.model.decode(tokens, self.memory, self.memory_mask, cache=self.cache)[:, -1]
+        if self.cache is not None:
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache.nbytes())
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def reorder(self, index: torch.Tensor) -> None:
-        self.memory = self.memory.index_select(0, index)
-        if self.memory_mask is not None:
-            self.memory_mask = self.memory_mask.index_select(0, index)
+    def reorder(self, index: torch.Tensor, sentence_rows: torch.Tensor | None) -> None:
+        """Keep rows `index` of what depends on each hypothesis (its self-attention K/V). What depends only on the
+        source (memory, mask, cross-attention K/V) is the same in the k rows of a sentence, so it need not follow
+        the beams: it keeps `sentence_rows` (the rows of the sentences still searching, in place), or all rows
+        when None. Half of the bytes beam search moved each step were these copies."""
         if self.cache is not None:
-            self.cache.reorder(index)
+            self.cache.self_kv = {layer: (k.index_select(0, index), v.index_select(0, index))
+                                  for layer, (k, v) in self.cache.self_kv.items()}
+        if sentence_rows is None:
+            return
+        self.memory = self.memory.index_select(0, sentence_rows)
+        if self.memory_mask is not None:
+            self.memory_mask = self.memory_mask.index_select(0, sentence_rows)
+        if self.cache is not None:
+            self.cache.cross_kv = {layer: (k.index_select(0, sentence_rows), v.index_select(0, sentence_rows))
+                                   for layer, (k, v) in self.cache.cross_kv.items()}
 
 
 def _max_lengths(model, src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:
@@ -49,9 +62,9 @@ def _max_lengths(model, src_mask: torch.Tensor | None, src: torch.Tensor, a: flo
 
 @torch.no_grad()
 def _note_cache(dec: _Decoder, stats: dict | None) -> None:
-    """Record the KV cache's bytes at the end of decoding (its largest: it only grows) in `stats`."""
+    """Record the most bytes the KV cache held during decoding in `stats`."""
     if stats is not None and dec.cache is not None:
-        stats["kv_cache_bytes"] = max(stats.get("kv_cache_bytes", 0), dec.cache.nbytes())
+        stats["kv_cache_bytes"] = max(stats.get("kv_cache_bytes", 0), dec.peak_cache_bytes)
 
 
 def greedy_decode(
@@ -80,7 +93,7 @@ def greedy_decode(
 
 
 def length_normalise(score: float, length: int, alpha: float) -> float:
-    """GNMT length penalty: score / ((5 + |Y|) / 6)^alpha (Wu et al. 2016, eq. 14)."""
+    """GNMT length penalty: score / ((5 + |Y|) / 6)^alpha (Wu et al. 2016, eq. 14); `score` may be a tensor."""
     return score / (((5 + length) / 6) ** alpha) if alpha else score
 
 
@@ -92,34 +105,30 @@ def beam_search(
     """Batched beam search on the KV cache (`stats`: as in greedy_decode). A sentence is finished once it holds
     `beam_size` hypotheses ending in EOS (fairseq's stopping rule); after a * |src| + b
     tokens (capped as in greedy_decode) EOS is forced. Hypotheses are scored by the log-probability
-    of their tokens and the EOS, length-normalised over both; the best is returned, without EOS.
-    As in fairseq, only an EOS among the `beam_size` best candidates of a step finishes a
-    hypothesis (the other k of the 2k candidates only refill the beam)."""
+    of their tokens and the EOS, length-normalised over both (GNMT, Wu et al. 2016, eq. 14); the best is
+    returned, without EOS. As in fairseq, only an EOS among the `beam_size` best candidates of a step finishes a
+    hypothesis (the other k of the 2k candidates only refill the beam).
+
+    The bookkeeping is tensor operations over all sentences at once, and a finished sentence leaves the batch
+    (its rows of the memory, mask, KV cache and prefix are dropped), so later steps run on fewer rows."""
     n, k = src.shape[0], beam_size
-    device = src.device
     max_len = _max_lengths(model, src_mask, src, max_len_a, max_len_b)  # (n,)
-    rows = torch.arange(n, device=device).repeat_interleave(k)  # (n*k,) the sentence of each hypothesis
+    steps = int(max_len.max()) + 1  # one extra step for the EOS
+    rows = torch.arange(n, device=src.device).repeat_interleave(k)  # (n*k,) the sentence of each hypothesis
     memory = model.encode(src, src_mask)  # (n, S, d)
-    dec = _Decoder(model, memory.index_select(0, rows), None if src_mask is None else src_mask.index_select(0, rows), use_cache)
-    prefix = torch.full((n * k, 1), bos, dtype=torch.long, device=device)  # (n*k, t + 1)
-    scores = torch.zeros(n, k, device=device, dtype=torch.float32)  # summed log-probs: never in bf16 (bf16-true)
-    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
-    search = _BeamState(n, k, eos, length_penalty)
-    for t in range(int(max_len.max()) + 1):  # one extra step for the EOS
-        logp = _only_eos_at_limit(dec.step(prefix), (t >= max_len).repeat_interleave(k), eos)  # (n*k, V)
-        vocab = logp.shape[-1]
-        cand = (scores[:, :, None] + logp.view(n, k, vocab)).view(n, k * vocab)
-        top_scores, top_ids = cand.topk(2 * k, dim=1)  # (n, 2k): 2k so k survive even if k end in EOS
-        new_scores, new_rows, new_tokens = search.advance(top_scores, top_ids // vocab, top_ids % vocab, prefix, t,
-                                                          (t >= max_len).tolist())
-        if all(search.done):
+    dec = _Decoder(model, memory.index_select(0, rows), None if src_mask is None else src_mask.index_select(0, rows),
+                   use_cache)
+    beams = _Beams.start(n, k, bos, max_len)
+    finished = _Finished(n, k, steps, eos, length_penalty, src.device)
+    for t in range(steps):
+        at_limit = t >= beams.max_len  # (m,) m: the sentences still searching
+        logp = _only_eos_at_limit(dec.step(beams.prefix), at_limit.repeat_interleave(k), eos)  # (m*k, V)
+        searching = beams.advance(logp, finished, at_limit, t, eos)
+        if searching is None:
             break
-        index = new_rows.view(-1)
-        dec.reorder(index)
-        prefix = torch.cat([prefix.index_select(0, index), new_tokens.view(-1, 1)], dim=1)
-        scores = new_scores
+        dec.reorder(*searching)
     _note_cache(dec, stats)
-    return [max(f, key=lambda x: x[0])[1] if f else [] for f in search.finished]
+    return finished.best()
 
 
 def _only_eos_at_limit(logp: torch.Tensor, at_limit: torch.Tensor, eos: int) -> torch.Tensor:
@@ -131,43 +140,90 @@ def _only_eos_at_limit(logp: torch.Tensor, at_limit: torch.Tensor, eos: int) -> 
     return torch.where(at_limit[:, None], only_eos, logp)
 
 
-class _BeamState:
-    """The finished hypotheses of each sentence and which sentences are done (fairseq's bookkeeping)."""
+class _Beams:
+    """The k live hypotheses of each sentence still searching: m sentences, rows m*k in sentence order."""
 
-    def __init__(self, n: int, k: int, eos: int, length_penalty: float):
-        self.n, self.k, self.eos, self.length_penalty = n, k, eos, length_penalty
-        self.finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(n)]
-        self.done = [False] * n
+    def __init__(self, sentence, scores, prefix, max_len):
+        self.sentence = sentence  # (m,) index of each searching sentence in the batch given to beam_search
+        self.scores = scores  # (m, k) summed log-probs: float32, never bf16 (bf16-true)
+        self.prefix = prefix  # (m*k, t + 1) BOS and the tokens so far
+        self.max_len = max_len  # (m,)
 
-    def advance(self, top_scores, beam_of, token_of, prefix, t: int, last_step: list[bool]):
-        """The next beam from each sentence's 2k best candidates: an EOS among the k best finishes a hypothesis;
-        the first k live candidates continue. Returns (scores (n, k), rows into the prefix (n, k), tokens (n, k))."""
-        n, k, device = self.n, self.k, top_scores.device
-        new_scores = torch.full((n, k), float("-inf"), device=device, dtype=torch.float32)
-        new_rows = torch.zeros(n, k, dtype=torch.long, device=device)
-        new_tokens = torch.full((n, k), self.eos, dtype=torch.long, device=device)
-        ts, bs, tk = top_scores.tolist(), beam_of.tolist(), token_of.tolist()
-        for i in range(n):
-            if self.done[i]:
-                continue
-            kept = 0
-            for rank, (s, b, tok) in enumerate(zip(ts[i], bs[i], tk[i])):
-                if s == float("-inf"):
-                    break
-                if tok == self.eos:
-                    if rank < k:  # an EOS ranked below k live candidates does not finish a hypothesis
-                        hyp = prefix[i * k + b, 1:].tolist()
-                        self.finished[i].append((length_normalise(s, t + 1, self.length_penalty), hyp))
-                        if len(self.finished[i]) >= k:
-                            break
-                    continue
-                if kept < k:
-                    new_scores[i, kept], new_rows[i, kept], new_tokens[i, kept] = s, i * k + b, tok
-                    kept += 1
-            if len(self.finished[i]) >= k or last_step[i] or kept == 0:
-                self.done[i] = True
-                new_scores[i] = float("-inf")
-        return new_scores, new_rows, new_tokens
+    @classmethod
+    def start(cls, n: int, k: int, bos: int, max_len: torch.Tensor) -> "_Beams":
+        device = max_len.device
+        scores = torch.zeros(n, k, device=device, dtype=torch.float32)
+        scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+        prefix = torch.full((n * k, 1), bos, dtype=torch.long, device=device)
+        return cls(torch.arange(n, device=device), scores, prefix, max_len)
+
+    def advance(self, logp, finished: "_Finished", at_limit, t: int, eos: int):
+        """One step of fairseq's rule on each sentence's 2k best candidates: an EOS among the k best finishes a
+        hypothesis (until the sentence holds k); the first k other candidates continue. A sentence with k finished
+        hypotheses, at its length limit, or with no candidate left is done and leaves the batch. Returns the
+        decoder rows each new hypothesis continues (m'*k,) and the rows of the sentences kept, in place (None when
+        all are), for _Decoder.reorder; None when every sentence is done."""
+        m, k = self.scores.shape
+        vocab = logp.shape[-1]
+        cand = (self.scores[:, :, None] + logp.view(m, k, vocab)).view(m, k * vocab)
+        top_scores, top_ids = cand.topk(2 * k, dim=1)  # (m, 2k): 2k so k survive even if k end in EOS
+        rows = torch.arange(m, device=cand.device)[:, None] * k + top_ids // vocab  # (m, 2k) rows of self.prefix
+        tokens = top_ids % vocab  # (m, 2k)
+        # the old loop stopped at the first -inf candidate; topk sorts, so those are a suffix
+        valid = top_scores > float("-inf")
+        is_eos = tokens == eos
+        ending = valid & is_eos & (torch.arange(2 * k, device=cand.device) < k)
+        finished.add(self.sentence, ending, top_scores, self.prefix, rows, t)
+        going_on = valid & ~is_eos
+        kept = going_on & (going_on.cumsum(1) <= k)  # the first k candidates that do not end
+        done = (finished.count[self.sentence] >= k) | at_limit | ~kept.any(1)  # (m,)
+        # the kept candidates first, in rank order (a stable sort keeps the order of ties)
+        order = torch.sort((~kept).to(torch.uint8), dim=1, stable=True).indices[:, :k]  # (m, k)
+        scores = torch.where(kept.gather(1, order), top_scores.gather(1, order), float("-inf"))
+        stay = (~done).nonzero().squeeze(1)  # (m',)
+        if stay.numel() == 0:
+            return None
+        index = rows.gather(1, order).index_select(0, stay).view(-1)  # (m'*k,)
+        self.prefix = torch.cat([self.prefix.index_select(0, index),
+                                 tokens.gather(1, order).index_select(0, stay).view(-1, 1)], dim=1)
+        self.scores, self.sentence = scores.index_select(0, stay), self.sentence.index_select(0, stay)
+        self.max_len = self.max_len.index_select(0, stay)
+        if stay.numel() == m:
+            return index, None
+        return index, (stay[:, None] * k + torch.arange(k, device=stay.device)).view(-1)
+
+
+class _Finished:
+    """Finished hypotheses in tensors: up to k per sentence, in the order they finished, read once at the end."""
+
+    def __init__(self, n: int, k: int, steps: int, eos: int, length_penalty: float, device):
+        self.k, self.length_penalty = k, length_penalty
+        self.count = torch.zeros(n, dtype=torch.long, device=device)  # (n,)
+        self.scores = torch.full((n, k), float("-inf"), dtype=torch.float64, device=device)  # (n, k)
+        self.tokens = torch.full((n, k, steps), eos, dtype=torch.long, device=device)  # (n, k, steps)
+        self.lengths = torch.zeros(n, k, dtype=torch.long, device=device)  # (n, k)
+
+    def add(self, sentence, ending, top_scores, prefix, rows, t: int) -> None:
+        """Store the candidates marked `ending` (m, 2k) in rank order, up to k per sentence; the hypothesis is
+        the prefix without BOS (t tokens), its score normalised over t + 1 tokens (with the EOS)."""
+        slot = self.count[sentence][:, None] + ending.cumsum(1) - 1  # (m, 2k)
+        ending = ending & (slot < self.k)
+        if not bool(ending.any()):
+            return
+        which = sentence[:, None].expand_as(ending)[ending]  # (a,)
+        where = slot[ending]  # (a,)
+        # in float64, as the per-hypothesis Python floats of the loop this replaced: the same scores, the same ties
+        self.scores[which, where] = length_normalise(top_scores[ending].double(), t + 1, self.length_penalty)
+        self.tokens[which, where, :t] = prefix.index_select(0, rows[ending])[:, 1:]
+        self.lengths[which, where] = t
+        self.count.index_add_(0, sentence, ending.sum(1))
+
+    def best(self) -> list[list[int]]:
+        """Each sentence's best hypothesis (the first of equal scores, as Python's max), [] where none finished."""
+        best = self.scores.argmax(1, keepdim=True)  # (n, 1)
+        tokens = self.tokens.gather(1, best[:, :, None].expand(-1, -1, self.tokens.shape[2]))[:, 0]  # (n, steps)
+        lengths = torch.where(self.count > 0, self.lengths.gather(1, best)[:, 0], 0)
+        return [row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())]
 
 
 @torch.no_grad()

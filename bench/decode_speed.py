@@ -1,0 +1,175 @@
+"""Beam-search decode throughput: the vectorised `study.model.generate.beam_search` against the per-sentence loop it
+replaced (`tests/beam_search_reference.py`, kept verbatim), on a trained Multi30k model and a real test set.
+
+    python bench/decode_speed.py --run runs/decode-speed-model             # 3 rounds, JSON to bench/results/
+    python bench/decode_speed.py --run DIR --rounds 5 --threads 1 --quick  # --quick: the first 200 sentences
+
+The test set is decoded exactly as `TranslationModule.translate` decodes it (length-sorted batches of 100, the task's
+beam size, length penalty and length limits, float32 here: no autocast), once per contestant per round; the order
+of the two alternates each round so that machine noise lands on both. Every round checks that both return identical
+hypotheses. Reported: sentences/s and generated tokens/s (hypothesis tokens plus the EOS) per contestant from its
+median round, and the median over rounds of the per-round time ratio reference / new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the frozen reference lives beside the tests that compare against it
+
+from beam_search_reference import reference_beam_search  # noqa: E402
+
+from study.model.generate import beam_search  # noqa: E402
+
+CONTESTANTS = {"reference": reference_beam_search, "new": beam_search}
+
+
+def load(run_dir: Path, data_dir: str, cache_dir: str | None):
+    """The run's model, config and a DataModule with the run's tokenizers (as `study run` built them)."""
+    from study.run import load_model
+    from study.run.single import default_cache_dir
+    from study.tasks.translation import TranslationDataModule
+
+    model, cfg = load_model(run_dir)
+    dm = TranslationDataModule(cfg, data_dir=data_dir, cache_dir=default_cache_dir(cache_dir) / "tokenizers")
+    dm.prepare()
+    return model, cfg, dm
+
+
+def batches(cfg, dm, sentences: list[str], batch_size: int = 100):
+    """(positions, src, mask) per batch, as TranslationModule.translate forms them: sorted by source length."""
+    from study.tasks.translation import EOS, PAD, pad_batch
+
+    ids = [s[: cfg.task.seq_len] for s in dm.src_tok.encode_batch(sentences)]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = []
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        src = pad_batch([ids[i] or [EOS] for i in chunk])
+        out.append((chunk, src, src != PAD))
+    return out
+
+
+def decode_all(search, model, cfg, work, beam: int) -> tuple[float, list[list[int]]]:
+    """Seconds to decode every batch, and the hypotheses in the test set's order."""
+    from study.tasks.translation import BOS, EOS
+
+    task = cfg.task
+    kw = dict(bos=BOS, eos=EOS, beam_size=beam, length_penalty=task.length_penalty, max_len_a=task.max_len_a,
+              max_len_b=task.max_len_b)
+    hyps: list[list[int]] = [[] for _ in range(1 + max(max(c) for c, _, _ in work))]
+    started = time.perf_counter()
+    for chunk, src, mask in work:
+        for i, h in zip(chunk, search(model, src, mask, **kw)):
+            hyps[i] = h
+    return time.perf_counter() - started, hyps
+
+
+def run_rounds(model, cfg, work, beam: int, rounds: int) -> dict:
+    """Alternating rounds (the first contestant swaps each round); outputs compared every round."""
+    seconds: dict[str, list[float]] = {name: [] for name in CONTESTANTS}
+    outputs = {}
+    for r in range(rounds):
+        names = list(CONTESTANTS) if r % 2 == 0 else list(reversed(CONTESTANTS))
+        for name in names:
+            elapsed, outputs[name] = decode_all(CONTESTANTS[name], model, cfg, work, beam)
+            seconds[name].append(elapsed)
+            print(f"round {r + 1}/{rounds} {name:9s} {elapsed:7.2f} s", flush=True)
+        if outputs["new"] != outputs["reference"]:
+            differ = sum(a != b for a, b in zip(outputs["new"], outputs["reference"]))
+            raise SystemExit(f"round {r + 1}: {differ} hypotheses differ between the reference and the new search")
+    return {"seconds": seconds, "hypotheses": outputs["new"]}
+
+
+def machine(threads: int) -> dict:
+    flags = ""
+    model_name = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        info = Path("/proc/cpuinfo").read_text()
+        model_name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                           if line.startswith("model name")), model_name)
+        flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    return {"cpu": model_name, "cores": os.cpu_count(), "avx2": " avx2" in flags,
+            "avx512f": " avx512f" in flags, "avx512_bf16": " avx512_bf16" in flags, "amx_bf16": " amx_bf16" in flags,
+            "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def trained_model(run_dir: Path) -> dict:
+    """What the decoded model is: the run's training length and its own test score (from its metrics.json)."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    cost = metrics.get("cost", {})
+    return {"steps": metrics.get("steps"), "stopped_by": metrics.get("stopped_by"),
+            "fit_seconds": cost.get("fit_seconds"), "parameters": cost.get("parameters"),
+            "run_bleu": metrics.get("metrics", {}).get("bleu")}
+
+
+def summarise(result: dict, sentences: int, dm, refs: list[str]) -> dict:
+    import sacrebleu
+
+    tokens = sum(len(h) + 1 for h in result["hypotheses"])  # generated tokens, the EOS included
+    seconds = result["seconds"]
+    ratios = [ref / new for ref, new in zip(seconds["reference"], seconds["new"])]
+    per = {name: {"median_s": statistics.median(s), "rounds_s": s,
+                  "sentences_per_s": sentences / statistics.median(s), "tokens_per_s": tokens / statistics.median(s)}
+           for name, s in seconds.items()}
+    hyps = dm.tgt_tok.decode_batch(result["hypotheses"])
+    return {"contestants": per, "ratio_rounds": ratios, "speedup_median": statistics.median(ratios),
+            "identical_hypotheses": True, "sentences": sentences, "generated_tokens": tokens,
+            "mean_hypothesis_tokens": tokens / sentences - 1,
+            "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--run", default=str(ROOT / "runs" / "decode-speed-model"), help="a translation run directory")
+    parser.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR", str(ROOT.parent / "shared" / "data")))
+    parser.add_argument("--cache-dir", default=None, help="tokenizer cache the run used (default: study's)")
+    parser.add_argument("--split", default="test_2016_flickr")
+    parser.add_argument("--beam", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="the first 200 sentences only (smoke test)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, cfg, dm = load(Path(args.run), args.data_dir, args.cache_dir)
+    sources, refs = dm.corpus.sources(args.split), dm.corpus.targets(args.split)
+    if args.quick:
+        sources, refs = sources[:200], refs[:200]
+    work = batches(cfg, dm, sources)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        result = run_rounds(model, cfg, work, args.beam, args.rounds)
+    record = {"date": datetime.date.today().isoformat(), "split": args.split, "beam": args.beam,
+              "rounds": args.rounds, "batch_size": 100, "precision": "float32", "run_dir": args.run,
+              "trained": trained_model(Path(args.run)),
+              "model": cfg.model.__dict__ if hasattr(cfg.model, "__dict__") else str(cfg.model),
+              "machine": machine(torch.get_num_threads()), "bench_seconds": time.perf_counter() - started,
+              **summarise(result, len(sources), dm, refs)}
+    for name, c in record["contestants"].items():
+        print(f"{name:9s} {c['sentences_per_s']:7.1f} sentences/s {c['tokens_per_s']:8.0f} tokens/s "
+              f"(median {c['median_s']:.2f} s)")
+    print(f"speed-up new / reference: {record['speedup_median']:.2f}x (rounds: "
+          f"{', '.join(f'{r:.2f}' for r in record['ratio_rounds'])}); identical hypotheses; "
+          f"BLEU {record['bleu']:.1f}")
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode-speed-{record['date']}.json"
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
