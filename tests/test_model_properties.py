@@ -270,3 +270,26 @@ def test_sinusoidal_positions_start_at_the_scale_of_the_token_embeddings(embed_s
     positions = stack.position.embed(torch.arange(128))
     ratio = positions.pow(2).mean().sqrt() / tokens.pow(2).mean().sqrt()
     assert 0.6 < ratio.item() < 1.6  # neither drowns the other (unscaled sinusoids would be ~50x the tokens)
+
+
+def test_shared_kv_heads_give_the_same_attention_in_the_kernel_and_as_expanded_copies(monkeypatch):
+    """GQA with a bias: SDPA's own K/V sharing (CPU) and expanded K/V (what CUDA gets, so that the memory-efficient
+    kernel can take the bias) are the same attention."""
+    import study.model.attention as attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    bias = torch.randn(2, 1, 5, 5)
+    shared = attention._sdpa(q, k, v, bias, False, 0.0, 2)
+    monkeypatch.setattr(attention, "share_kv_in_kernel", lambda bias, device: False)
+    copies = attention._sdpa(q, k, v, bias, False, 0.0, 2)
+    assert torch.allclose(shared, copies, atol=1e-6)
+
+
+def test_on_cuda_a_bias_means_expanded_kv_and_no_bias_means_the_kernel_shares_them():
+    from study.model.attention import _SDPA_HAS_GQA, share_kv_in_kernel
+
+    cuda, cpu, bias = torch.device("cuda"), torch.device("cpu"), torch.zeros(1)
+    assert not share_kv_in_kernel(bias, cuda)  # flash takes no bias; memory-efficient takes no enable_gqa
+    assert share_kv_in_kernel(None, cuda) == _SDPA_HAS_GQA  # flash shares them itself
+    assert share_kv_in_kernel(bias, cpu) == _SDPA_HAS_GQA

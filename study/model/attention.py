@@ -128,9 +128,17 @@ class KVCache:
         return sum(t.numel() * t.element_size() for s in (self.self_kv, self.cross_kv) for kv in s.values() for t in kv)
 
 
+def share_kv_in_kernel(bias: torch.Tensor | None, device: torch.device) -> bool:
+    """Whether SDPA should share K/V heads itself (`enable_gqa`) rather than be given expanded copies. On CUDA only
+    the flash and math kernels take `enable_gqa`, and flash takes no bias: with a bias (padding, window, ALiBi, T5)
+    GQA/MQA would fall to the math kernel, which materialises the (B, H, T, T) scores. There the copies are the
+    cheaper side, as they let the memory-efficient kernel run. The CPU's fused kernel takes both."""
+    return _SDPA_HAS_GQA and (bias is None or device.type == "cpu")
+
+
 def _sdpa(q, k, v, bias, is_causal, dropout_p, n_rep):
     if n_rep > 1:
-        if _SDPA_HAS_GQA:
+        if share_kv_in_kernel(bias, q.device):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
             )
