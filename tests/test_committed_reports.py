@@ -41,3 +41,29 @@ def test_a_committed_report_regenerates_from_the_committed_results(study, tmp_pa
     assert drawn == sorted(p.name for p in (committed / "figures").iterdir())  # none missing, none stale
     for f in report.figures:  # every figure the report names exists, drawn or explained
         assert f.paths or f.reason
+
+
+GENERATED = ("report.md", "compare.md", "summary.csv", "paired.csv", "compare.csv", "compare_effects.csv")
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_every_number_in_a_study_readme_is_in_a_generated_file(study):
+    """A study's hand-written README interprets the generated tables; it states no number they do not hold (a
+    number may be a generated one rounded to the decimals the README shows)."""
+    import re
+
+    folder = REPO / "reports" / study
+    readme = folder / "README.md"
+    if not readme.is_file():
+        pytest.skip("no README")
+    number = re.compile(r"(?<![\w.])[-+]?\d+\.\d+")
+    texts = [(folder / n).read_text() for n in GENERATED if (folder / n).is_file()]
+    texts += [(REPO / "results" / study / n).read_text() for n in ("results.csv", "invocations.json")]
+    generated = [float(x) for text in texts for x in number.findall(text)]
+    missing = []
+    for text in number.findall(readme.read_text()):
+        decimals = len(text.split(".")[1])
+        value = abs(float(text))
+        if not any(abs(round(abs(g), decimals) - value) < 10 ** -(decimals + 3) for g in generated):
+            missing.append(text)
+    assert not missing, f"reports/{study}/README.md states numbers no generated file holds: {missing}"
