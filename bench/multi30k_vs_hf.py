@@ -16,7 +16,8 @@ the other, with the same training budget (default: the anchor's 1,374 s):
 
 `--precision auto` (the default) gives the anchor `--bf16` only where bf16 matrix multiplies are faster than float32
 here (a 1024^3 GEMM is timed); on an AVX2-only CPU bf16 runs at about 1 GFLOP/s and float32 at 120. Writes
-bench/results/multi30k-vs-hf.json; the anchor's files go to bench/runs/hf-multi30k (not committed).
+bench/results/multi30k-vs-hf.json and its generated table bench/results/multi30k-vs-hf.md
+(bench/multi30k_vs_hf_table.py); the anchor's files go to bench/runs/hf-multi30k (not committed).
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ def main() -> int:
         o = record["ours"]
         print(f"ours : {o['steps']} steps, BLEU {o['bleu']:.2f}, chrF {o['chrf']:.2f}, decode {o['decode_seconds']:.1f} s")
     print(f"wrote {args.out}")
+    if "ours" in record and args.out.resolve() == (ROOT / "bench" / "results" / "multi30k-vs-hf.json").resolve():
+        import multi30k_vs_hf_table  # bench/: the generated table of this record
+
+        multi30k_vs_hf_table.main()
     return 0
 
 

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from study.report.collect import load_results
-from study.report.compare import compare_effects, compare_numbers, holm_verdict, run_compare
+from study.report.collect import SweepResults, load_results
+from study.report.compare import CellPair, cell_pairs, compare_effects, compare_numbers, holm_verdict, run_compare
 from study.report.measure import glue_seed_values, load_run, run_measurements, sweep_measurements
 from study.report.published import load_effects, load_published
 from study.report.stats import holm_adjust, minimum_detectable_difference
@@ -257,3 +257,93 @@ def test_a_pipeline_sweep_names_its_unit_and_model_variant(tmp_path, published):
     numbers = compare_numbers(measurements, published)
     assert _row(numbers, "devlin18-t5-nsp-sst2")["same_model_variant"]
     assert not _row(numbers, "devlin18-t5-nonsp-sst2")["same_model_variant"]
+
+
+# -- a grid: effects paired with the cells that differ in the effect's axis alone ------------------------------------
+def _warmup_grid(tmp_path: Path, post_without_warmup: float = 0.5):
+    """Norm position x warm-up, like experiments/sweeps/multi30k_warmup_gqa.yaml, on the synthetic language model:
+    post-norm without warm-up is made `post_without_warmup` nats worse than the other three cells."""
+    root = make_synthetic_sweep(tmp_path / "grid", design="grid", partial=False, problems=False, with_runs=False,
+                                noise=0.002, axes={"norm_position": ["pre", "post"], "warmup": ["with", "none"]})
+    results = load_results(root)
+    hit = (results.table["axis.norm_position"] == "post") & (results.table["axis.warmup"] == "none")
+    results.table.loc[hit, "metric.valid_loss"] += post_without_warmup
+    return results
+
+
+def test_a_grid_pairs_xiongs_effects_with_the_cells_that_hold_the_published_condition(tmp_path, effects):
+    """Xiong et al. (2020): post- vs pre-norm without warm-up; Post-LN with vs without warm-up. Each effect is paired
+    with the one pair of cells that differs in its axis alone at the published setting of the other axis."""
+    tested, untested = compare_effects(_warmup_grid(tmp_path), effects)
+    norm = tested[tested["effect_id"] == "postln-no-warmup"]
+    assert len(norm) == 1
+    norm = norm.iloc[0]
+    assert (norm["our_baseline_label"], norm["our_variant_label"]) == ("norm_position=pre,warmup=none",
+                                                                      "norm_position=post,warmup=none")
+    assert norm["our_held"] == "warmup=none" and norm["our_n_pairs"] == 3
+    assert norm["our_diff"] == pytest.approx(0.58, abs=0.01)  # the synthetic post-norm effect 0.08 + 0.5
+    assert norm["verdict"] == "agree"  # a higher loss: worse, as published
+    warmup = tested[tested["effect_id"] == "postln-warmup"].iloc[0]
+    assert (warmup["our_baseline_label"], warmup["our_variant_label"]) == ("norm_position=post,warmup=with",
+                                                                          "norm_position=post,warmup=none")
+    assert warmup["our_held"] == "norm_position=post" and warmup["verdict"] == "agree"
+    reasons = set(untested.loc[untested["effect_id"].str.startswith("postln"), "reason"])
+    assert reasons == {"the cells at warmup=with are not compared: the published effect holds warmup=none",
+                       "the cells at norm_position=pre are not compared: the published effect holds "
+                       "norm_position=post"}
+
+
+def test_a_grid_effect_without_a_condition_gets_one_row_per_setting_of_the_other_axes(tmp_path, effects):
+    unconditioned = effects[effects["effect_id"] == "postln-warmup"].assign(held="")
+    tested, _ = compare_effects(_warmup_grid(tmp_path, post_without_warmup=0.0), unconditioned)
+    assert tested["our_held"].tolist() == ["norm_position=pre", "norm_position=post"]
+    assert tested["holm_family"].tolist() == [2, 2]  # each pair is a test of the family
+
+
+def test_a_grid_effect_names_what_differs_from_the_paper(tmp_path, effects):
+    results = _warmup_grid(tmp_path)
+    tested, _ = compare_effects(results, effects)
+    text = tested.set_index("effect_id").loc["postln-no-warmup", "comparability"]
+    for words in ("published on IWSLT14 De-En (translation), ours on tinyshakespeare (lm)",
+                  "different metric (published: IWSLT14 De-En validation BLEU, no learning-rate warm-up; "
+                  "ours: valid_loss)", "published at warmup=none", "model size ratio ours/published unknown",
+                  "ours 200 training steps"):
+        assert words in text, words
+    md = run_compare(results, tmp_path / "out").markdown.read_text()
+    assert "| norm_position: pre → post at warmup=none | Xiong et al. 2020" in md
+    assert "| warmup: with → none at norm_position=post | Xiong et al. 2020" in md
+    assert "- norm_position: pre → post (Xiong et al. 2020, Sec 3.2 / 4.2 text): the cells at warmup=with are not " \
+           "compared" in md
+
+
+def test_a_sweep_that_does_not_vary_the_held_axis_says_so(tmp_path, effects):
+    root = make_synthetic_sweep(tmp_path / "ofat", axes={"norm_position": ["pre", "post"]}, partial=False,
+                                problems=False, with_runs=False)
+    tested, _ = compare_effects(load_results(root), effects)
+    row = tested.set_index("effect_id").loc["postln-no-warmup"]
+    assert row["our_held"] == ""  # OFAT: every other axis at the baseline
+    assert "published at warmup=none; this sweep does not vary warmup: every cell keeps its recipe's setting" \
+        in row["comparability"]
+
+
+def _conditional_grid(n_kv_heads_where_not_applied):
+    """Three cells: the attention axis applies only to pre-norm (`when`), so post-norm's attention is 'n/a'."""
+    table = pd.DataFrame([{"label": label, "axis.norm_position": norm, "axis.attention": att, "is_baseline": False,
+                           "status": "completed", "task": "lm", "seed": 0}
+                          for label, norm, att in (("pre,mha", "pre", "mha"), ("pre,mqa", "pre", "mqa"),
+                                                   ("post", "post", "n/a"))])
+    kv = {"pre,mha": 4, "pre,mqa": 1, "post": n_kv_heads_where_not_applied}
+    points = [{"label": label, "config": {"model": {"n_kv_heads": kv[label]}}} for label in kv]
+    plan = {"axes": {"norm_position": ["pre", "post"], "attention": ["mha", "mqa"]}, "points": points,
+            "axis_fields": {"norm_position": ["model.norm_position"], "attention": ["model.n_kv_heads"]}}
+    return SweepResults(Path("r"), table, plan)
+
+
+def test_a_cell_outside_a_conditional_axis_pairs_only_where_its_config_matches():
+    """'n/a' is not a value: the post-norm cell pairs with pre-norm MHA only when its config sets the same
+    n_kv_heads; a field left unset is not taken for the default."""
+    pairs = cell_pairs(_conditional_grid(4), "norm_position", "pre", "post")
+    assert pairs == [CellPair("pre,mha", "post", (("attention", "mha"),))]
+    assert cell_pairs(_conditional_grid(None), "norm_position", "pre", "post") == []
+    assert cell_pairs(_conditional_grid(4), "attention", "mha", "mqa") == [
+        CellPair("pre,mha", "pre,mqa", (("norm_position", "pre"),))]

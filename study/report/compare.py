@@ -26,7 +26,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from study.report.collect import AT_2X, SPLIT_WORDS, Declaration, SweepResults, at_2x_column, metric_column
+from study.report.collect import (
+    AT_2X,
+    SPLIT_WORDS,
+    Declaration,
+    SweepResults,
+    at_2x_column,
+    metric_column,
+    normalise_value,
+)
 from study.report.markdown import Doc, fmt
 from study.report.measure import (  # noqa: F401  (re-exported: the comparison's public names)
     GLUE_METRICS,
@@ -141,6 +149,84 @@ def compare_numbers(measurements: list[Measurement], published: pd.DataFrame) ->
     return pd.DataFrame(rows)
 
 
+# -- pairs of cells -------------------------------------------------------------------------------------------------
+NOT_APPLIED = "n/a"  # a conditional axis's value in the cells its `when` leaves out: the recipe's setting holds there
+
+
+@dataclass(frozen=True)
+class CellPair:
+    """Two cells of a sweep that differ in one axis: `held` names every other axis's value in both (grids)."""
+
+    baseline: str
+    variant: str
+    held: tuple[tuple[str, str], ...]
+
+
+def _cells(results: SweepResults) -> dict[str, dict[str, str]]:
+    """label -> {axis: value} of every cell with trials, in variant order; NOT_APPLIED where an axis does not apply."""
+    rows = results.table.drop_duplicates("label").set_index("label")
+    axes = [a for a in results.axes if f"axis.{a}" in rows]
+
+    def value(label: str, axis: str) -> str:
+        v = rows.loc[label, f"axis.{axis}"]
+        return NOT_APPLIED if pd.isna(v) else str(v)
+
+    return {lbl: {a: value(lbl, a) for a in axes} for lbl in results.variant_order if lbl in rows.index}
+
+
+def _field(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def _held_alike(results: SweepResults, axis: str, labels: tuple[str, str], values: tuple[str, str]) -> bool:
+    """Do two cells hold `axis` alike? Both at the same value; or, where it does not apply to one of them, only when
+    their configs agree on every field the axis sets (literally: a field left unset is not taken for a default)."""
+    if NOT_APPLIED not in values:
+        return normalise_value(values[0]) == normalise_value(values[1])
+    fields = (results.plan.get("axis_fields") or {}).get(axis) or []
+    if not fields:
+        return values[0] == values[1]
+    configs = [results.experiment_config(label) for label in labels]
+    return all(configs) and all(_field(configs[0], f) == _field(configs[1], f) for f in fields)
+
+
+def cell_pairs(results: SweepResults, axis: str, baseline: str, variant: str) -> list[CellPair]:
+    """Every (baseline cell, variant cell) that differ in `axis` alone: OFAT's baseline and one-axis points, and in a
+    grid one pair for each setting of the other axes (post-norm without vs with warm-up, pre-norm ...)."""
+    cells, pairs = _cells(results), []
+
+    def at(value: str) -> list[tuple[str, dict[str, str]]]:
+        return [(lbl, a) for lbl, a in cells.items() if normalise_value(a.get(axis, NOT_APPLIED)) ==
+                normalise_value(value)]
+
+    for b_label, b_axes in at(baseline):
+        for v_label, v_axes in at(variant):
+            others = [a for a in b_axes if a != axis]
+            if all(_held_alike(results, a, (b_label, v_label), (b_axes[a], v_axes[a])) for a in others):
+                held = tuple((a, b_axes[a] if b_axes[a] != NOT_APPLIED else v_axes[a]) for a in others)
+                pairs.append(CellPair(b_label, v_label, held))
+    return pairs
+
+
+def held_conditions(e: pd.Series) -> dict[str, str]:
+    """effects.csv's `held`: 'warmup=none; ...', the other axes' settings under which the effect was published."""
+    parts = [p.split("=", 1) for p in str(e.get("held", "") or "").split(";") if "=" in p]
+    return {k.strip(): v.strip() for k, v in parts}
+
+
+def _meets(pair: CellPair, conditions: dict[str, str]) -> bool:
+    """A pair the publication's condition covers: every condition on an axis the pair holds is met (a condition on an
+    axis the sweep does not vary is stated in the comparability, not checked)."""
+    held = dict(pair.held)
+    return all(normalise_value(held[a]) == normalise_value(v) for a, v in conditions.items() if a in held)
+
+
+def _held_text(held) -> str:
+    return ", ".join(f"{a}={v}" for a, v in held if v != NOT_APPLIED)
+
+
 # -- effects -------------------------------------------------------------------------------------------------------
 def _effect_verdict(published: str, ours: str) -> str:
     if ours in ("no pairs", "not run"):
@@ -199,22 +285,48 @@ def _mean(done: pd.DataFrame, label: str, col: str) -> float:
     return float(vals.mean()) if vals.notna().any() else math.nan
 
 
-def _effect_notes(results: SweepResults, e: pd.Series, task: str, done: pd.DataFrame, base_label: str,
-                  split: str) -> str:
+def _steps(results: SweepResults, done: pd.DataFrame, label: str) -> str:
+    """'ours 600 steps of 64 examples': the training length of a (single-stage) sweep's cell, as recorded."""
+    steps = pd.to_numeric(done.loc[done["label"] == label, "steps"], errors="coerce") if "steps" in done else None
+    if results.stages or steps is None or not steps.notna().any():
+        return ""
+    batch = ((results.experiment_config(label).get("train") or {}).get("batch_size"))
+    return f"ours {int(steps.median())} training steps" + (f" of {batch} examples" if batch else "")
+
+
+def _held_notes(results: SweepResults, e: pd.Series) -> list[str]:
+    """The publication's condition on the other axes, and which of them this sweep does not vary."""
+    conditions = held_conditions(e)
+    if not conditions:
+        return []
+    unvaried = [a for a in conditions if a not in results.axes]
+    return [f"published at {e['held']}"] + ([f"this sweep does not vary {', '.join(unvaried)}: every cell keeps "
+                                             "its recipe's setting"] if unvaried else [])
+
+
+def _effect_notes(results: SweepResults, e: pd.Series, task: str, done: pd.DataFrame, pair: CellPair,
+                  split: str, metric: str, spec: Declaration | None) -> str:
+    """What differs between the published effect and our pair: task and dataset, metric, split, the publication's
+    condition on the other axes, model size, training length, and the effect's own note."""
     notes = []
-    if str(e["task"]) != task:
-        notes.append(f"published on {e['dataset']} ({e['task']}), ours on "
-                     f"{', '.join(map(str, done['dataset'].dropna().unique())) or task} ({task})")
+    ours = ", ".join(map(str, done["dataset"].dropna().unique())) or task
+    if str(e["task"]) != task or str(e["dataset"]).lower() != ours.lower():
+        notes.append(f"published on {e['dataset']} ({e['task']}), ours on {ours} ({task})")
+    if str(e.get("units_match_ours", "")) != "yes":
+        described = f"{metric}, {spec.description}" if spec is not None and spec.description else metric
+        notes.append(f"different metric (published: {e['published_metric']}; ours: {described})")
     if split:
         notes.append(f"ours on the {split} split")
     if results.stages:
         notes.append(f"pairs are {results.stages[0]} seeds (trials of the study in stages "
                      f"{' → '.join(results.stages)})")
+    notes += _held_notes(results, e)
     notes.append(f"model size ratio ours/published "
-                 f"{_ratio(_mean(done, base_label, 'cost.parameters'), _published_params(e))}")
+                 f"{_ratio(_mean(done, pair.baseline, 'cost.parameters'), _published_params(e))}")
+    notes.append(_steps(results, done, pair.baseline))
     if str(e.get("note", "")).strip():
         notes.append(str(e["note"]))
-    return "; ".join(notes)
+    return "; ".join(n for n in notes if n)
 
 
 def _power_columns(e: pd.Series, spec: Declaration | None, d) -> dict:
@@ -230,40 +342,46 @@ def _power_columns(e: pd.Series, spec: Declaration | None, d) -> dict:
             "published_effect_detectable": detectable}
 
 
-def _effect_row(results: SweepResults, e: pd.Series, base_label: str, var_label: str) -> dict:
-    """One tested effect: our paired difference on the declared metric beside the published direction."""
-    task = results.table.loc[results.table["label"] == var_label, "task"].dropna()
+def _our_difference(results: SweepResults, e: pd.Series, pair: CellPair) -> tuple:
+    """(task, column, declaration, paired difference or None, our direction) of one pair on the effect's metric."""
+    task = results.table.loc[results.table["label"] == pair.variant, "task"].dropna()
     task = str(task.iloc[0]) if len(task) else results.tasks[0]
     col, spec = resolve_metric(results, e["our_metric"], task)
     done = results.completed(task)
-    d = None
     if col is None or col not in done:
-        ours = "not measured"
-    elif spec is None:
-        ours = "direction not declared"
-    else:
-        d = paired_difference(done, col, var_label, base_label, spec.direction)
-        ours = d.verdict
+        return task, col, spec, None, "not measured"
+    if spec is None:
+        return task, col, spec, None, "direction not declared"
+    d = paired_difference(done, col, pair.variant, pair.baseline, spec.direction)
+    return task, col, spec, d, d.verdict
+
+
+def _effect_row(results: SweepResults, e: pd.Series, pair: CellPair) -> dict:
+    """One tested effect on one pair of cells: our paired difference on the declared metric beside the published
+    direction."""
+    task, col, spec, d, ours = _our_difference(results, e, pair)
+    done = results.completed(task)
     constructed = spec is not None and spec.by_construction and d is not None and d.diff.n > 0
-    split = _split_of(col)
+    split, metric = _split_of(col), (col or e["our_metric"]).removeprefix("metric.")
     return {
         "effect_id": e["effect_id"], "axis": e["axis"], "baseline": e["baseline"], "variant": e["variant"],
         "citation": f"{e['citation']}, {e['table']}", "published_metric": e["published_metric"],
         "published_baseline": e["published_baseline"], "published_variant": e["published_variant"],
         "published_direction": e["published_direction"], "published_magnitude": e["magnitude"],
-        "published_evidence": e.get("evidence", ""),
-        "our_metric": (col or e["our_metric"]).removeprefix("metric."), "our_split": split,
+        "published_evidence": e.get("evidence", ""), "published_held": e.get("held", ""),
+        "our_metric": metric, "our_split": split,
         "our_scale": spec.scale if spec else "", "our_direction_rule": spec.direction if spec else "not declared",
-        "our_baseline_label": base_label, "our_variant_label": var_label,
+        "our_baseline_label": pair.baseline, "our_variant_label": pair.variant,
+        "our_held": _held_text(pair.held) if results.design != "ofat" else "",
         "our_n_pairs": d.diff.n if d else 0, "our_diff": d.diff.mean if d else math.nan,
         "our_ci_lo": d.diff.lo if d else math.nan, "our_ci_hi": d.diff.hi if d else math.nan,
         "our_sd": d.diff.sd if d else math.nan,
-        "our_ratio": _ratio(_mean(done, var_label, col), _mean(done, base_label, col)) if constructed else "",
+        "our_ratio": _ratio(_mean(done, pair.variant, col), _mean(done, pair.baseline, col)) if constructed else "",
         "p_value": d.p_value if d is not None and not constructed else math.nan,
         **_power_columns(e, spec, d),
         "our_direction": ours,
         "verdict": BY_CONSTRUCTION if constructed else _effect_verdict(e["published_direction"], ours),
-        "comparability": _effect_notes(results, e, task, done, base_label, split),
+        "comparability": _effect_notes(results, e, task, done, pair, split, metric, spec),
     }
 
 
@@ -280,20 +398,36 @@ def add_holm(tested: pd.DataFrame) -> pd.DataFrame:
     return tested
 
 
+def _untested(e: pd.Series, reason: str) -> dict:
+    return {"effect_id": e["effect_id"], "axis": e["axis"], "baseline": e["baseline"], "variant": e["variant"],
+            "citation": f"{e['citation']}, {e['table']}", "reason": reason}
+
+
+def _no_pair_reason(results: SweepResults, e: pd.Series) -> str:
+    """Why no two cells of the sweep test the effect: the axis or a value is missing, or no two cells differ in the
+    effect's axis alone."""
+    if e["axis"] not in results.axes:
+        return "axis not in this sweep"
+    values = {normalise_value(v) for v in _cells(results).values() for v in [v.get(e["axis"], NOT_APPLIED)]}
+    for value in (e["baseline"], e["variant"]):
+        if normalise_value(value) not in values:
+            return f"value {value!s} not in this sweep"
+    return f"no two cells of this sweep differ in {e['axis']} alone"
+
+
 def compare_effects(results: SweepResults, effects: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(tested, untested): each published effect whose axis and both values are in the sweep beside our
-    paired difference; the others listed with the reason."""
+    """(tested, untested): each published effect beside our paired difference on every pair of cells that differ
+    in the effect's axis alone and hold the other axes where the publication held them (effects.csv's `held`); the
+    effects with no such pair, and the pairs the publication's condition leaves out, listed with the reason."""
     tested, untested = [], []
     for _, e in effects.iterrows():
-        base_label = results.label_for(e["axis"], e["baseline"]) if e["axis"] in results.axes else None
-        var_label = results.label_for(e["axis"], e["variant"]) if e["axis"] in results.axes else None
-        if base_label is None or var_label is None:
-            why = ("axis not in this sweep" if e["axis"] not in results.axes else
-                   f"value {e['baseline'] if base_label is None else e['variant']!s} not in this sweep")
-            untested.append({"effect_id": e["effect_id"], "axis": e["axis"], "baseline": e["baseline"],
-                             "variant": e["variant"], "citation": f"{e['citation']}, {e['table']}", "reason": why})
-            continue
-        tested.append(_effect_row(results, e, base_label, var_label))
+        pairs = cell_pairs(results, e["axis"], e["baseline"], e["variant"]) if e["axis"] in results.axes else []
+        kept = [p for p in pairs if _meets(p, held_conditions(e))]
+        untested += [_untested(e, f"the cells at {_held_text(p.held)} are not compared: the published effect holds "
+                                  f"{e['held']}") for p in pairs if p not in kept]
+        if not pairs:
+            untested.append(_untested(e, _no_pair_reason(results, e)))
+        tested += [_effect_row(results, e, p) for p in kept]
     return add_holm(pd.DataFrame(tested)), pd.DataFrame(untested)
 
 
@@ -346,6 +480,12 @@ def _ours_effect_text(r) -> str:
     return f"{r['our_direction']}: Δ {r['our_metric']} {ours}"
 
 
+def _effect_label(r) -> str:
+    """'warmup: with → none at norm_position=post': the axis, its two values and (grids) where the others are held."""
+    held = r.get("our_held", "")
+    return f"{r['axis']}: {r['baseline']} → {r['variant']}" + (f" at {held}" if isinstance(held, str) and held else "")
+
+
 def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
     counts = effects["verdict"].value_counts()
     family = int(effects["holm_family"].iloc[0]) if "holm_family" in effects else 0
@@ -364,7 +504,7 @@ def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
           f"detected ({POWER:.0%} power, two-sided α = 0.05, from the sd of the paired differences: "
           "(t₀.₉₇₅,ₙ₋₁ + t₀.₈₀,ₙ₋₁) · sd / √n), and whether an effect of the published size exceeds it where the "
           "published effect is in our units (GLUE dev metrics, points on 0-100).")
-    glance = [[f"{r['axis']}: {r['baseline']} → {r['variant']}", r["citation"], r["published_direction"],
+    glance = [[_effect_label(r), r["citation"], r["published_direction"],
                _ours_effect_text(r), _p_text(r["p_value"]), f"**{r['verdict']}**", r["holm_verdict"]]
               for _, r in effects.iterrows()]
     doc.table(["effect", "citation", "published: variant is", "ours: variant is (Δ, 95% CI)", "p (paired t)",
@@ -373,7 +513,7 @@ def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
     rows = []
     for _, r in effects.iterrows():
         ci = "–" if r["our_n_pairs"] < 2 else _ci_text(r)
-        rows.append([f"{r['axis']}: {r['baseline']} → {r['variant']}", r["citation"],
+        rows.append([_effect_label(r), r["citation"],
                      f"{r['published_metric']}: {fmt(r['published_baseline'])} → {fmt(r['published_variant'])} "
                      f"({r['published_magnitude']})", r["published_direction"],
                      f"Δ {r['our_metric']} {fmt(r['our_diff'], 'signed')} {ci} (n={r['our_n_pairs']})"

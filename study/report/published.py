@@ -9,7 +9,11 @@
                                  value, the published numbers, 'better' / 'worse' / 'same' for the variant,
                                  the magnitude, which of our metrics it is compared with, and
                                  `units_match_ours` ('yes' where the published effect is in the units and on the
-                                 scale of that metric of ours: GLUE dev metrics in points on 0-100)
+                                 scale of that metric of ours: GLUE dev metrics in points on 0-100), and
+                                 `held`: where the publication held the other axes ('warmup=none'; several
+                                 separated by ';'), in the sweeps' axis vocabulary; compare.py pairs the effect
+                                 only with cells of a grid that hold them so (Xiong et al. 2020 compare post- with
+                                 pre-norm without warm-up, and Post-LN with and without it)
 
 Curated from ../shared/references/published.md (every number there was read from the paper, an official
 repository or, flagged as such, a secondary transcription or a community reproduction).
@@ -29,7 +33,7 @@ REQUIRED = ("id", "citation", "table", "dataset", "split", "metric", "metric_var
             "verification", "source", "match")
 EFFECT_COLUMNS = ("effect_id", "axis", "baseline", "variant", "our_metric", "published_metric", "published_baseline",
                   "published_variant", "published_direction", "magnitude", "citation", "table", "task", "dataset",
-                  "params_m", "evidence", "units_match_ours", "published_ids", "note")
+                  "params_m", "evidence", "units_match_ours", "published_ids", "note", "held")
 EFFECT_REQUIRED = ("effect_id", "axis", "baseline", "variant", "our_metric", "published_metric", "published_direction",
                    "magnitude", "citation", "table", "dataset")
 DIRECTIONS = ("better", "worse", "same")
@@ -79,6 +83,15 @@ def validate_published(table: pd.DataFrame) -> list[str]:
     return problems
 
 
+def _held_problems(e: pd.Series) -> list[str]:
+    """`held` is empty or 'axis=value' conditions separated by ';', none on the effect's own axis."""
+    parts = [p.strip() for p in str(e.get("held", "") or "").split(";") if p.strip()]
+    bad = [p for p in parts if "=" not in p or not p.split("=", 1)[1].strip()]
+    own = [p for p in parts if p.split("=", 1)[0].strip() == e["axis"]]
+    return ([f"effect {e['effect_id']}: held {p!r} is not axis=value" for p in bad] +
+            [f"effect {e['effect_id']}: held {p!r} conditions the effect's own axis" for p in own])
+
+
 def validate_effects(effects: pd.DataFrame, published: pd.DataFrame | None = None) -> list[str]:
     """Every problem with the effects table: missing cells, unknown directions, a published number that
     contradicts the stated direction's sign, ids that are not in the published table."""
@@ -92,6 +105,7 @@ def validate_effects(effects: pd.DataFrame, published: pd.DataFrame | None = Non
             problems.append(f"effect {e['effect_id']}: direction {e['published_direction']!r} not in {DIRECTIONS}")
         if str(e.get("units_match_ours", "")) not in UNITS_MATCH:
             problems.append(f"effect {e['effect_id']}: units_match_ours {e['units_match_ours']!r} not in {UNITS_MATCH}")
+        problems += _held_problems(e)
         if published is not None:
             ids = [i for i in str(e.get("published_ids", "")).split(";") if i]
             missing = [i for i in ids if i not in set(published["id"])]

@@ -1,5 +1,13 @@
 """The plan's cost before anything runs: training FLOPs from the accounting module, and a rough wall-clock time at
-this machine's measured matmul rate (or one given with --peak-flops) times an assumed utilisation."""
+this machine's measured matmul rate (or one given with --peak-flops) times an assumed utilisation.
+
+Every sequence is counted at `task.seq_len`. That is exact where a task packs its data into seq_len-token windows
+(language modelling) and close for BERT pairs, which fill seq_len except 10% made shorter on purpose (Devlin et al.
+2018, A.2). Translation and GLUE pad each batch only to its longest example, typically far below seq_len (Multi30k's
+sentences are about a dozen words against seq_len 100), and the dry run reads no data to know by how much: for them the
+estimate is an upper bound, and `estimate` says so (`length_basis`, `basis_sentence`) rather than print a number
+that looks exact.
+"""
 
 from __future__ import annotations
 
@@ -76,6 +84,36 @@ def training_flops(cfg: ExperimentConfig | PipelineConfig) -> float:
     return total
 
 
+# How the task families shape a batch, for the estimate's honesty: packed to seq_len (exact) or padded to the batch's
+# longest example (seq_len is then an upper bound). A family not named here is taken as an upper bound.
+SEQ_LEN_IS_EXACT = {"lm": "packed into task.seq_len-token windows",
+                    "pretrain": "pairs filling task.seq_len (10% shorter on purpose)"}
+
+
+def length_basis(cfg: ExperimentConfig | PipelineConfig) -> str:
+    """'exact' when every run of the trial fills task.seq_len, else 'upper bound' (a pipeline: its loosest stage)."""
+    if isinstance(cfg, PipelineConfig):
+        bases = {length_basis(stage) for stage in cfg.stages.values()}
+        return "upper bound" if "upper bound" in bases else "exact"
+    return "exact" if cfg.task.name in SEQ_LEN_IS_EXACT else "upper bound"
+
+
+def _task_names(cfg: ExperimentConfig | PipelineConfig) -> list[str]:
+    if isinstance(cfg, PipelineConfig):
+        return [n for stage in cfg.stages.values() for n in _task_names(stage)]
+    return [cfg.task.name]
+
+
+def basis_sentence(cost: dict[str, Any]) -> str:
+    """What the printed FLOPs and time rest on, for the plan's description."""
+    bounded = cost.get("upper_bound_tasks") or []
+    if not bounded:
+        return "every sequence counted at task.seq_len, as the tasks fill it (packed): the FLOPs are exact"
+    return (f"an UPPER BOUND: sequences counted at task.seq_len, but {', '.join(bounded)} pad each batch only to its "
+            "longest example, and the dry run reads no data to measure it (short sentences: the real cost can be "
+            "several times lower)")
+
+
 def _seconds(cfg: ExperimentConfig | PipelineConfig, flops: float, rate: float) -> float:
     if isinstance(cfg, PipelineConfig):
         return sum(_seconds(s, training_flops(s), rate) for s in cfg.stages.values())
@@ -93,9 +131,13 @@ def estimate(plan: "Plan", rate_flops: float | None = None, workers: int = 1, th
     runs_per_point = len(plan.spec.seeds) + (plan.spec.tune_settings["trials"] if plan.spec.tune else 0)
     rate = rate_flops if rate_flops is not None else matmul_rate_flops(threads)
     seconds = [_seconds(p.config, f, rate) for p, f in zip(plan.points, per_point)]
+    bounded = [p for p in plan.points if length_basis(p.config) == "upper bound"]
+    tasks = [t for p in bounded for t in _task_names(p.config) if t not in SEQ_LEN_IS_EXACT]
     return {"train_flops": sum(per_point) * runs_per_point, "matmul_flops_per_s": rate,
             "assumed_utilisation": ASSUMED_UTILISATION,
-            "estimated_wall_s": sum(seconds) * runs_per_point / max(1, workers), "workers": workers}
+            "estimated_wall_s": sum(seconds) * runs_per_point / max(1, workers), "workers": workers,
+            "length_basis": "upper bound" if bounded else "exact",
+            "upper_bound_points": [p.label for p in bounded], "upper_bound_tasks": list(dict.fromkeys(tasks))}
 
 
 def si(x: float) -> str:

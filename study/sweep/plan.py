@@ -20,6 +20,7 @@ from study.config import ConfigError, ExperimentConfig, PipelineConfig, content_
 from study.config.experiment import set_fields
 from study.config.pipeline import STAGE_REF
 from study.config.sweep import NOT_APPLICABLE, Axis, SweepConfig, route
+from study.sweep.estimate import basis_sentence
 
 
 class SweepSpecError(ValueError):
@@ -313,6 +314,7 @@ def describe(plan: Plan, cost: dict[str, Any] | None = None) -> str:
                      f"matmul x {cost['assumed_utilisation']:.0%} utilisation (an assumption) and "
                      f"{cost['workers']} worker(s): about "
                      + (f"{hours * 60:.0f} min" if hours < 2 else f"{hours:.1f} h"))
+        lines.append("  FLOPs and time: " + basis_sentence(cost))
     if s.cost_note:
         lines.append(f"  documented cost: {s.cost_note}")
     return "\n".join(lines)
