@@ -90,7 +90,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     opts = SweepOptions(results=args.results, storage=args.storage, workers=args.workers, threads=args.threads,
                         data_dir=args.data_dir, cache_dir=args.cache_dir, dry_run=args.dry_run,
-                        runner=args.runner, estimate_rate=args.peak_flops)
+                        runner=args.runner, estimate_rate=args.peak_flops,
+                        storage_retry_s=args.storage_retry_s)
     try:
         overrides = parse_overrides(args.set or [])
         final = run_sweep(args.spec, opts, overrides=overrides)
@@ -138,6 +139,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value
 
 
@@ -215,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="Optuna storage URL: sqlite:///..., journal:///..., postgresql://... "
                             "(default: $STUDY_STORAGE, else sqlite under results/<sweep>/)")
     sweep.add_argument("--results", default="results", help="results folder (default: results)")
+    sweep.add_argument("--storage-retry-s", type=_seconds, default=300.0, metavar="S",
+                       help="how long workers wait out an unreachable storage before stopping (default: 300)")
     sweep.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR"),
                        help="local dataset folder (default: $STUDY_DATA_DIR; else the Hugging Face hub)")
     sweep.add_argument("--cache-dir", help="tokenizer cache (default: $STUDY_CACHE_DIR or .cache/study)")

@@ -1,5 +1,7 @@
 """Where a sweep's files live, and which trials a plan asks for.
 
+    results/<sweep>/storage.json     the storage this sweep's queue lives in (`storage.identity`, and the URL
+                                     redacted), written once: a command naming another storage is refused
     results/<sweep>/spec.yaml        the spec as written
     results/<sweep>/plan.json        every point with its complete config and content hash, the objective and the
                                      task families' metric declarations
@@ -17,6 +19,7 @@ from typing import Any
 from study.io import read_json
 from study.record import RunDir
 from study.sweep.queue import TrialSpec
+from study.sweep.storage import StorageError, identity, redact
 
 
 @dataclass
@@ -51,6 +54,49 @@ class SweepLayout:
     @property
     def tuned_path(self) -> Path:
         return self.sweep_dir / "tuned.json"
+
+    @property
+    def storage_path(self) -> Path:
+        return self.sweep_dir / "storage.json"
+
+
+def recorded_storage(layout: SweepLayout) -> dict[str, Any] | None:
+    """The storage the sweep folder belongs to ({"identity", "url" redacted}); None before its first run (and for a
+    sweep started by a release that did not record it: its next run records the storage it names)."""
+    return read_json(layout.storage_path) if layout.storage_path.is_file() else None
+
+
+def check_storage(layout: SweepLayout, url: str) -> None:
+    """Refuse a storage other than the one the sweep folder belongs to: two queues over one results folder would
+    train every trial twice, at the same time, into the same run directories. Reads only."""
+    recorded = recorded_storage(layout)
+    if recorded is None or recorded["identity"] == identity(url):
+        return
+    raise StorageError(
+        f"{layout.sweep_dir} belongs to storage {recorded['url']!r} ({recorded['identity']}), not "
+        f"{redact(url)!r} ({identity(url)}): give --storage (or $STUDY_STORAGE) the recorded storage (a file path "
+        "after sqlite:/// or journal:/// is relative to the working directory; after sqlite://// or journal:////, "
+        "absolute), or give this sweep another --results folder")
+
+
+def record_storage(layout: SweepLayout, url: str) -> None:
+    """Record the storage (once; of two commands starting together on a new folder, the second is refused)."""
+    import json
+    import os
+    import tempfile
+
+    layout.sweep_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"identity": identity(url), "url": redact(url)}, indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=layout.sweep_dir, prefix=".storage-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.link(tmp, layout.storage_path)  # never replaces: the first record stands
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    check_storage(layout, url)
 
 
 def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> list[TrialSpec]:

@@ -38,7 +38,8 @@ from optuna.trial import TrialState
 
 log = logging.getLogger(__name__)
 ACTIVE = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
-LOCK_STALE_S = 120.0
+LOCK_STALE_S = 120.0  # a lock held this long by a process elsewhere is taken over
+LOCK_SAY_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,32 @@ class TrialSpec:
         (optuna-dashboard's parameter views, `study.trials_dataframe()`) show what each trial varied."""
         params = {name: label for name, label, _ in self.axes}
         return params, {name: optuna.distributions.CategoricalDistribution(choices) for name, _, choices in self.axes}
+
+
+class _LockWait:
+    """How long this process has waited for the enqueue lock under its current holder, and when it last said so."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.restart()
+
+    def restart(self) -> None:
+        self.holder, self.since, self.said = None, time.time(), 0.0
+
+    def waited(self, holder: str, recovered_at: float = 0.0) -> float:
+        """Seconds waited for this holder (a new holder restarts the count; so does the end of a storage outage,
+        during which nobody could release it)."""
+        if holder != self.holder:
+            self.holder, self.since = holder, time.time()
+        self.since = max(self.since, recovered_at)
+        return time.time() - self.since
+
+    def say(self, holder: str, sweep: str) -> None:
+        now = time.time()
+        if now - self.since >= 1.0 and now - self.said >= LOCK_SAY_EVERY_S:
+            log.info("waiting for the enqueue lock of sweep %r, held by %s for %.0f s (taken over after %.0f s)",
+                     sweep, holder or "a process starting", now - self.since, LOCK_STALE_S)
+            self.said = now
 
 
 @dataclass
@@ -152,27 +179,53 @@ class TrialQueue:
 
     @contextlib.contextmanager
     def _enqueue_lock(self) -> Iterator[None]:
-        from optuna.exceptions import DuplicatedStudyError
+        """A marker study that only one process can create, recording its holder (host:pid): a holder that is a
+        dead process on this host is taken over at once; any other is waited for, saying so every
+        LOCK_SAY_EVERY_S, and taken over after LOCK_STALE_S (a process on another host that died holding it)."""
         from optuna.study import StudyDirection
 
         name = f"{self.sweep}~enqueue-lock"
-        first_seen: float | None = None
+        wait = _LockWait(name)
         while True:
             try:
                 lock_id = self.storage.create_new_study([StudyDirection.MINIMIZE], study_name=name)
                 break
-            except DuplicatedStudyError:
-                first_seen = first_seen or time.time()
-                if time.time() - first_seen > LOCK_STALE_S:  # its holder died while enqueueing
-                    with contextlib.suppress(KeyError):
-                        self.storage.delete_study(self.storage.get_study_id_from_name(name))
-                    first_seen = None
-                time.sleep(0.2)
+            except optuna.exceptions.DuplicatedStudyError:
+                self._wait_for_lock(name, wait)
         try:
+            self.storage.set_study_user_attr(lock_id, "holder", {"worker": self.worker, "since": time.time()})
             yield
         finally:
             with contextlib.suppress(KeyError):
                 self.storage.delete_study(lock_id)
+
+    def _lock_holder(self, name: str) -> tuple[int | None, dict[str, Any] | None]:
+        """The lock study's id and its holder ({"worker": host:pid, "since"}; None in the instant before the
+        holder records itself); (None, None) when the lock was just released."""
+        try:
+            lock_id = self.storage.get_study_id_from_name(name)
+            return lock_id, self.storage.get_study_user_attrs(lock_id).get("holder")
+        except KeyError:
+            return None, None
+
+    def _wait_for_lock(self, name: str, wait: "_LockWait") -> None:
+        lock_id, holder = self._lock_holder(name)
+        if lock_id is None:
+            return
+        worker = (holder or {}).get("worker", "")
+        host, _, pid = worker.rpartition(":")
+        dead_here = host == _host() and pid.isdigit() and not _pid_alive(int(pid))
+        waited = wait.waited(worker, recovered_at=getattr(self.storage, "recovered_at", 0.0))
+        if dead_here or waited > LOCK_STALE_S:
+            if self._lock_holder(name) == (lock_id, holder):  # still the one judged (not a new holder's lock)
+                log.warning("taking over the enqueue lock of sweep %r from %s: %s", self.sweep, worker or "?",
+                            "that process is gone" if dead_here else f"held for over {LOCK_STALE_S:.0f} s")
+                with contextlib.suppress(KeyError):
+                    self.storage.delete_study(lock_id)
+            wait.restart()
+            return
+        wait.say(worker, self.sweep)
+        time.sleep(0.2)
 
     def sync(self, specs: list[TrialSpec], finished: dict[str, float | None] | None = None,
              retry_failed: bool = True) -> dict[str, int]:
@@ -253,6 +306,8 @@ class TrialQueue:
             beat = t.user_attrs.get("heartbeat")
             if beat is None:
                 beat = t.datetime_start.timestamp() if t.datetime_start else now
+            # nobody could beat while the storage was down: after an outage every worker gets the grace period anew
+            beat = max(beat, getattr(self.storage, "recovered_at", 0.0))
             host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
             dead_here = host == _host() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
             if dead_here or now - beat > self.grace_s:

@@ -23,10 +23,11 @@ from typing import Any, Callable
 from study.io import atomic_write_json, atomic_write_text, read_json
 from study.sweep import plan as planning
 from study.sweep.estimate import default_threads, estimate
-from study.sweep.storage import default_url, open_storage, redact, validate_url
+from study.sweep.storage import DEFAULT_RETRY_S, default_url, open_storage, redact, validate_url
 from study.sweep.trial import DEFAULT_RUNNER
 from study.record import metric_value
-from study.sweep.layout import SweepLayout, all_keys, read_tuned, trial_specs
+from study.sweep.layout import (SweepLayout, all_keys, check_storage, read_tuned, record_storage, recorded_storage,
+                                trial_specs)
 from study.sweep.tuning import settle_tuning_locked
 from study.sweep.worker import STORAGE_ENV, WorkerOptions, die_with_parent, open_queue, run_worker
 
@@ -45,6 +46,7 @@ class SweepOptions:
     dry_run: bool = False
     estimate_rate: float | None = None  # FLOP/s for the plan's estimate (None: measure)
     poll_s: float = 2.0
+    storage_retry_s: float = DEFAULT_RETRY_S  # how long a worker waits out an unreachable storage
 
 
 def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None] = print,
@@ -61,9 +63,11 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     validate_url(url)
     if opts.dry_run:
         return plan, layout, url
-    if not url.startswith(("sqlite", "journal")):
-        open_storage(url)  # an unreachable server fails here, before anything is written
-    layout.sweep_dir.mkdir(parents=True, exist_ok=True)
+    # before anything in the sweep folder is written or rewritten: another storage than the folder's is refused,
+    # and the storage is opened (a server unreachable, a journal path that is a folder, an unopenable file fail)
+    check_storage(layout, url)
+    open_storage(url)
+    record_storage(layout, url)
     atomic_write_text(layout.sweep_dir / "spec.yaml", Path(spec_path).read_text())
     data = plan.to_dict()
     data["storage"] = redact(url)
@@ -84,7 +88,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
         return {}
     started = time.time()
     plan_data = read_json(layout.plan_path)
-    queue = open_queue(plan_data, url)
+    queue = open_queue(plan_data, url, opts.storage_retry_s)
     specs = trial_specs(plan_data, read_tuned(layout))
     keys = all_keys(plan_data)
     finished = {}
@@ -108,7 +112,8 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
         say(f"sweep {plan.spec.name!r} is complete: nothing to run")
     else:
         wopts = WorkerOptions(data_dir=opts.data_dir, cache_dir=opts.cache_dir, threads=threads,
-                              runner=opts.runner, poll_s=opts.poll_s, workers=workers)
+                              runner=opts.runner, poll_s=opts.poll_s, workers=workers,
+                              storage_retry_s=opts.storage_retry_s)
         say(f"running with {workers} worker(s) x {threads} thread(s)")
         try:
             if workers == 1:
@@ -153,7 +158,7 @@ def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: Work
     env = {**os.environ, STORAGE_ENV: url}
     cmd = [sys.executable, "-m", "study.sweep.worker", "--sweep-dir", str(layout.sweep_dir),
            "--threads", str(opts.threads), "--runner", opts.runner, "--poll-s", str(opts.poll_s),
-           "--workers", str(workers)]
+           "--workers", str(workers), "--storage-retry-s", str(opts.storage_retry_s)]
     if opts.data_dir:
         cmd += ["--data-dir", str(opts.data_dir)]
     if opts.cache_dir:
@@ -173,6 +178,15 @@ def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: Work
         raise
 
 
+def _recorded_file_storage(layout: SweepLayout) -> str | None:
+    """The sweep's own sqlite or journal file (recorded absolute), for `study status` without --storage; a server's
+    URL is not recorded whole (its password), so that one comes from --storage or $STUDY_STORAGE."""
+    recorded = recorded_storage(layout)
+    if recorded and recorded["identity"].startswith(("sqlite:", "journal:")):
+        return recorded["identity"]
+    return None
+
+
 def status(sweep_dir: str | Path, storage: str | None = None) -> str:
     """Progress of a sweep from its queue and its run directories."""
     layout = SweepLayout(Path(sweep_dir))
@@ -182,12 +196,13 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> str:
     tuned = read_tuned(layout)
     specs = [s for s in trial_specs(plan, tuned) if s.kind == "seed"]
     keys = all_keys(plan)
-    url = storage or default_url(layout.sweep_dir)
+    url = storage or _recorded_file_storage(layout) or default_url(layout.sweep_dir)
     lines = [f"sweep {plan['sweep']!r}: {len(plan['points'])} points x {len(plan['seeds'])} seeds"
              + (f" (+ {len(keys) - len(plan['points']) * len(plan['seeds'])} tuning trials)" if plan.get("tune") else "")
              + f" = {len(keys)} trials"]
     try:
-        queue = open_queue(plan, url)
+        check_storage(layout, url)
+        queue = open_queue(plan, url, retry_s=0)  # status reports an outage, it does not wait it out
         counts = queue.counts(keys)
         lost = queue.lost_running()
         if lost:  # a Ctrl-C'd or killed worker: nothing is running them; the next worker takes them back

@@ -18,6 +18,7 @@ wait out), and a retry must keep the key and count the attempt. `study.sweep.que
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import math
@@ -33,8 +34,9 @@ from typing import Any
 from study.io import atomic_write_json, read_json
 from study.record import RunDir, metric_value
 from study.sweep import tuning
-from study.sweep.layout import SweepLayout, all_keys, read_tuned, trial_specs
+from study.sweep.layout import SweepLayout, all_keys, check_storage, read_tuned, trial_specs
 from study.sweep.queue import Claimed, TrialQueue, TrialSpec
+from study.sweep.storage import DEFAULT_RETRY_S, StorageError, open_storage, retrying
 from study.sweep.trial import DEFAULT_RUNNER
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ class WorkerOptions:
     poll_s: float = 2.0
     max_trials: int | None = None  # stop after this many (tests)
     workers: int = 1  # how many workers drain the queue together (for the progress line's time left)
+    storage_retry_s: float = DEFAULT_RETRY_S  # how long an unreachable storage is waited out (per outage)
 
 
 @dataclass
@@ -200,8 +203,9 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
         except BaseException:  # Ctrl-C or SIGTERM: stop the child, give the trial back
             _stop(child)
             attempt.write(sweep, ended=time.time(), outcome="interrupted")
-            queue.release(claimed, "worker interrupted")
-            attempt.tell_failed()
+            with contextlib.suppress(StorageError):  # (the storage gone for good: the grace period gives it back)
+                queue.release(claimed, "worker interrupted")
+                attempt.tell_failed()
             raise
     return _settle(queue, layout, plan, attempt, rc)
 
@@ -304,11 +308,11 @@ def _objective_text(layout: SweepLayout, claimed: Claimed, plan: dict[str, Any])
     return f", {metric} {value:.4g}" if value is not None else ""
 
 
-def open_queue(plan: dict[str, Any], storage_url: str) -> TrialQueue:
-    from study.sweep.storage import open_storage
-
+def open_queue(plan: dict[str, Any], storage_url: str, retry_s: float = DEFAULT_RETRY_S) -> TrialQueue:
+    """The sweep's queue; every storage call in it waits out an outage of up to `retry_s` seconds."""
     spec = plan["spec"]
-    return TrialQueue(open_storage(storage_url), plan["sweep"], plan["objective"]["direction"],
+    storage = retrying(open_storage(storage_url), retry_s, storage_url)
+    return TrialQueue(storage, plan["sweep"], plan["objective"]["direction"],
                       heartbeat_s=spec["heartbeat_s"], grace_s=spec["grace_s"], max_retries=spec["max_retries"])
 
 
@@ -321,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runner", default=DEFAULT_RUNNER)
     parser.add_argument("--poll-s", type=float, default=2.0)
     parser.add_argument("--workers", type=int, default=1, help="workers draining the queue together")
+    parser.add_argument("--storage-retry-s", type=float, default=DEFAULT_RETRY_S,
+                        help="how long to wait out an unreachable storage before stopping")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     url = os.environ.get(STORAGE_ENV)
@@ -330,11 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_trial's cleanup gives the trial back
     layout = SweepLayout(Path(args.sweep_dir))
     plan = read_json(layout.plan_path)
-    queue = open_queue(plan, url)
     try:
+        check_storage(layout, url)
+        queue = open_queue(plan, url, args.storage_retry_s)
         run_worker(queue, layout, WorkerOptions(data_dir=args.data_dir, cache_dir=args.cache_dir,
                                                 threads=args.threads, runner=args.runner, poll_s=args.poll_s,
-                                                workers=args.workers))
+                                                workers=args.workers, storage_retry_s=args.storage_retry_s))
+    except StorageError as err:  # another storage than the sweep's, or an outage that outlasted the retries
+        print(f"worker: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the `study sweep` parent says what happened
         return 130
     return 0
