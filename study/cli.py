@@ -91,7 +91,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     opts = SweepOptions(results=args.results, storage=args.storage, workers=args.workers, threads=args.threads,
                         data_dir=args.data_dir, cache_dir=args.cache_dir, dry_run=args.dry_run,
                         runner=args.runner, estimate_rate=args.peak_flops,
-                        storage_retry_s=args.storage_retry_s)
+                        storage_retry_s=args.storage_retry_s, launcher=args.launcher)
     try:
         overrides = parse_overrides(args.set or [])
         final = run_sweep(args.spec, opts, overrides=overrides)
@@ -207,18 +207,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="study", description="Ablation studies of transformer design choices")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="train and evaluate one experiment config")
-    run.add_argument("config", help="experiment YAML (see experiments/)")
-    run.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
-    run.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR"),
-                     help="local dataset folder (default: $STUDY_DATA_DIR; else the Hugging Face hub)")
-    run.add_argument("--out", help="run directory (default: runs/<name>)")
-    run.add_argument("--cache-dir", help="tokenizer cache (default: $STUDY_CACHE_DIR or .cache/study)")
-    run.add_argument("--force", action="store_true", help="rerun even if the run directory holds a finished run")
-    run.set_defaults(func=_cmd_run)
+def _add_sweep_command(sub) -> None:
     sweep = sub.add_parser("sweep", help="run (or continue) a sweep: every (point, seed) exactly once")
     sweep.add_argument("spec", help="sweep spec YAML (see experiments/ablation_default.yaml)")
     sweep.add_argument("--workers", type=_positive_int, help="local worker processes (default: the spec's workers)")
@@ -227,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="Optuna storage URL: sqlite:///..., journal:///..., postgresql://... "
                             "(default: $STUDY_STORAGE, else sqlite under results/<sweep>/)")
     sweep.add_argument("--results", default="results", help="results folder (default: results)")
+    sweep.add_argument("--launcher", choices=("fork", "spawn"), default="fork",
+                       help="how trials start: forked from a process that imported torch and Lightning once (fork, "
+                            "the default), or a fresh interpreter each (spawn)")
     sweep.add_argument("--storage-retry-s", type=_seconds, default=300.0, metavar="S",
                        help="how long workers wait out an unreachable storage before stopping (default: 300)")
     sweep.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR"),
@@ -241,6 +233,21 @@ def main(argv: list[str] | None = None) -> int:
                        help="module:function(cfg, run_dir, data_dir, cache_dir) that runs one trial "
                             "(default: study.run:run_experiment)")
     sweep.set_defaults(func=_cmd_sweep)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="study", description="Ablation studies of transformer design choices")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train and evaluate one experiment config")
+    run.add_argument("config", help="experiment YAML (see experiments/)")
+    run.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    run.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR"),
+                     help="local dataset folder (default: $STUDY_DATA_DIR; else the Hugging Face hub)")
+    run.add_argument("--out", help="run directory (default: runs/<name>)")
+    run.add_argument("--cache-dir", help="tokenizer cache (default: $STUDY_CACHE_DIR or .cache/study)")
+    run.add_argument("--force", action="store_true", help="rerun even if the run directory holds a finished run")
+    run.set_defaults(func=_cmd_run)
+    _add_sweep_command(sub)
     for name, func, text in (("status", _cmd_status, "progress of a sweep"),
                              ("results", _cmd_results, "rebuild and summarise a sweep's results table")):
         cmd = sub.add_parser(name, help=text)

@@ -58,6 +58,7 @@ COSTS = {
     "train_tokens_per_s": ("maximize", "tokens/s", False),
     "peak_memory_bytes": ("minimize", "bytes", False),
     "fit_seconds": ("minimize", "seconds", False),
+    "final_eval_seconds": ("minimize", "seconds", False),  # the final evaluation (and decoding), after training
     "wall_seconds": ("minimize", "seconds", False),
 }
 RECORD_KEYS = ("schema", "status", "diverged_at_step", "steps", "stopped_by", "train_tokens", "metrics", "declared",

@@ -225,6 +225,7 @@ def run_single(
     fit_seconds = time.time() - fit_started
 
     final: dict[str, Any] = {}
+    eval_started = time.time()
     if module.diverged_at is None and trainer.is_global_zero:
         module.to(trainer.strategy.root_device)  # fit's teardown moved it to the CPU
         final = module.final_metrics(dm)
@@ -232,8 +233,9 @@ def run_single(
             module.save_outputs(run.path)
     if trainer.is_global_zero:
         atomic_write(run.weights, lambda p: torch.save(module.model.state_dict(), p))
-    record = _record(cfg, trainer, module, final,
-                     {"fit_seconds": fit_seconds, "wall_seconds": time.time() - started}, declared)
+    timing = {"fit_seconds": fit_seconds, "final_eval_seconds": time.time() - eval_started,
+              "wall_seconds": time.time() - started}
+    record = _record(cfg, trainer, module, final, timing, declared)
     if trainer.is_global_zero:
         run.write(record)
     return record

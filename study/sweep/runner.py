@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +24,7 @@ from study.io import atomic_write_json, atomic_write_text, read_json
 from study.sweep import plan as planning
 from study.sweep.estimate import default_threads, estimate
 from study.sweep.storage import DEFAULT_RETRY_S, default_url, open_storage, redact, validate_url
+from study.sweep.devices import assign, gpus_per_trial, visible_gpus
 from study.sweep.trial import DEFAULT_RUNNER
 from study.record import metric_value
 from study.sweep.layout import (SweepLayout, all_keys, check_storage, read_tuned, record_storage, recorded_storage,
@@ -46,6 +47,7 @@ class SweepOptions:
     dry_run: bool = False
     estimate_rate: float | None = None  # FLOP/s for the plan's estimate (None: measure)
     poll_s: float = 2.0
+    launcher: str = "fork"  # how workers start trials (study.sweep.worker.Launcher)
     storage_retry_s: float = DEFAULT_RETRY_S  # how long a worker waits out an unreachable storage
 
 
@@ -58,6 +60,7 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     workers = opts.workers or spec.workers
     threads = opts.threads or default_threads(workers)
     say(planning.describe(plan, estimate(plan, opts.estimate_rate, workers, threads)))
+    assign(workers, gpus_per_trial(plan.to_dict()), visible_gpus())  # every worker its own GPUs, or one clear error
     layout = SweepLayout(Path(opts.results) / spec.name)
     url = opts.storage or default_url(layout.sweep_dir)
     validate_url(url)
@@ -113,13 +116,14 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     else:
         wopts = WorkerOptions(data_dir=opts.data_dir, cache_dir=opts.cache_dir, threads=threads,
                               runner=opts.runner, poll_s=opts.poll_s, workers=workers,
-                              storage_retry_s=opts.storage_retry_s)
+                              storage_retry_s=opts.storage_retry_s, launcher=opts.launcher)
+        gpus = assign(workers, gpus_per_trial(plan_data), visible_gpus())  # (checked in prepare)
         say(f"running with {workers} worker(s) x {threads} thread(s)")
         try:
             if workers == 1:
-                run_worker(queue, layout, wopts)
+                run_worker(queue, layout, replace(wopts, gpus=gpus[0]))
             else:
-                run_worker_processes(layout, url, workers, wopts)
+                run_worker_processes(layout, url, workers, wopts, gpus)
         except KeyboardInterrupt:
             counts = queue.counts(keys)
             _record_invocation(layout, started, workers, threads, counts, interrupted=True)
@@ -153,19 +157,22 @@ def _record_invocation(layout: SweepLayout, started: float, workers: int, thread
     atomic_write_json(path, history)
 
 
-def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: WorkerOptions) -> None:
-    """Start `workers` local worker processes and wait for them; they die with this process."""
+def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: WorkerOptions,
+                         gpus: list[str | None] | None = None) -> None:
+    """Start `workers` local worker processes (worker i with the GPUs `gpus[i]`) and wait for them; they die with
+    this process."""
     env = {**os.environ, STORAGE_ENV: url}
     cmd = [sys.executable, "-m", "study.sweep.worker", "--sweep-dir", str(layout.sweep_dir),
            "--threads", str(opts.threads), "--runner", opts.runner, "--poll-s", str(opts.poll_s),
-           "--workers", str(workers), "--storage-retry-s", str(opts.storage_retry_s)]
+           "--workers", str(workers), "--storage-retry-s", str(opts.storage_retry_s), "--launcher", opts.launcher]
     if opts.data_dir:
         cmd += ["--data-dir", str(opts.data_dir)]
     if opts.cache_dir:
         cmd += ["--cache-dir", str(opts.cache_dir)]
     procs = []
-    for _ in range(workers):
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
+    for gpu in gpus or [None] * workers:
+        procs.append(subprocess.Popen(cmd + (["--gpus", gpu] if gpu is not None else []), env=env,
+                                      preexec_fn=die_with_parent))
         time.sleep(0.2)  # stagger the first claims
     try:
         for p in procs:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import math
 import os
@@ -38,18 +37,41 @@ from study.sweep.layout import SweepLayout, all_keys, check_storage, read_tuned,
 from study.sweep.queue import Claimed, TrialQueue, TrialSpec
 from study.sweep.storage import DEFAULT_RETRY_S, StorageError, open_storage, retrying
 from study.sweep.trial import DEFAULT_RUNNER
+from study.sweep.zygote import Zygote, die_with_parent
 
 log = logging.getLogger(__name__)
 STORAGE_ENV = "STUDY_STORAGE"
 
 
-def die_with_parent() -> None:
-    """Run in the child before exec: the kernel kills it when its parent (the worker) dies, so a
-    killed worker never leaves an orphan training into a run directory a retry will use."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+class Launcher:
+    """Starts this worker's trial processes: forked from a zygote that imported torch and Lightning once
+    (`fork`, the default: study.sweep.zygote says what a child keeps of a fresh process), or a fresh interpreter each
+    (`spawn`: `python -m study.sweep.trial`). Either way the worker supervises an exit code and a log file."""
+
+    def __init__(self, opts: "WorkerOptions"):
+        self.opts = opts
+        self.zygote: Zygote | None = None
+
+    def start(self, cmd: list[str], env: dict[str, str], log: Path):
+        if self.opts.launcher == "spawn":
+            with open(log, "ab") as out:
+                return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+        argv = cmd[cmd.index("study.sweep.trial") + 1:]
+        for tries_left in (1, 0):  # a zygote that died (e.g. killed for memory) is started again, once
+            if self.zygote is None:
+                self.zygote = Zygote(self.opts.runner, env)  # a trial's environment is the worker's, fixed
+            try:
+                return self.zygote.start(argv, str(log), self.opts.threads, {})
+            except (RuntimeError, OSError):
+                self.close()
+                if not tries_left:
+                    raise
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            with contextlib.suppress(Exception):
+                self.zygote.close()
+            self.zygote = None
 
 
 def _record_attempt(run_dir: Path, spec: TrialSpec, sweep: str, attempt: dict[str, Any]) -> None:
@@ -83,6 +105,8 @@ class WorkerOptions:
     max_trials: int | None = None  # stop after this many (tests)
     workers: int = 1  # how many workers drain the queue together (for the progress line's time left)
     storage_retry_s: float = DEFAULT_RETRY_S  # how long an unreachable storage is waited out (per outage)
+    gpus: str | None = None  # CUDA_VISIBLE_DEVICES of this worker's trials (study.sweep.devices); None: as inherited
+    launcher: str = "fork"  # fork: from a zygote that imported once; spawn: a fresh interpreter per trial
 
 
 @dataclass
@@ -146,6 +170,8 @@ def _command(layout: SweepLayout, attempt: Attempt, opts: WorkerOptions) -> tupl
         cmd += ["--cache-dir", str(opts.cache_dir)]
     env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}
     env.update(OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads), PYTHONUNBUFFERED="1")
+    if opts.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = opts.gpus
     return cmd, env
 
 
@@ -168,13 +194,13 @@ def _supervise(queue: TrialQueue, child: subprocess.Popen, attempt: Attempt, pru
                 raise TrialPruned()
 
 
-def _stop(child: subprocess.Popen) -> None:
+def _stop(child) -> None:
     child.kill()
     child.wait()
 
 
 def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any],
-              opts: WorkerOptions) -> str:
+              opts: WorkerOptions, launcher: Launcher | None = None) -> str:
     """Run one claimed trial in a subprocess; returns completed, diverged, failed, pruned or lost."""
     sweep = plan["sweep"]
     attempt = _start(queue, layout, claimed, plan)
@@ -184,29 +210,28 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
                if attempt.tuning and plan["tune"]["pruner"] != "none" else None)
     with open(run.trial_log, "ab") as out:
         out.write(f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n".encode())
-        out.flush()
-        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
-        try:
-            rc = _supervise(queue, child, attempt, pruning)
-        except TrialPruned:
-            _stop(child)
-            attempt.write(sweep, ended=time.time(), outcome="pruned")
-            queue.finish(claimed, "pruned", pruning.last, {"run_dir": str(attempt.run_dir)})
-            tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point, "pruned",
-                                       pruning.last)
-            return "pruned"
-        except TrialLost:
-            _stop(child)
-            attempt.write(sweep, ended=time.time(), outcome="lost")
+    child = (launcher or Launcher(WorkerOptions(launcher="spawn"))).start(cmd, env, run.trial_log)
+    try:
+        rc = _supervise(queue, child, attempt, pruning)
+    except TrialPruned:
+        _stop(child)
+        attempt.write(sweep, ended=time.time(), outcome="pruned")
+        queue.finish(claimed, "pruned", pruning.last, {"run_dir": str(attempt.run_dir)})
+        tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point, "pruned",
+                                   pruning.last)
+        return "pruned"
+    except TrialLost:
+        _stop(child)
+        attempt.write(sweep, ended=time.time(), outcome="lost")
+        attempt.tell_failed()
+        return "lost"
+    except BaseException:  # Ctrl-C or SIGTERM: stop the child, give the trial back
+        _stop(child)
+        attempt.write(sweep, ended=time.time(), outcome="interrupted")
+        with contextlib.suppress(StorageError):  # (the storage gone for good: the grace period gives it back)
+            queue.release(claimed, "worker interrupted")
             attempt.tell_failed()
-            return "lost"
-        except BaseException:  # Ctrl-C or SIGTERM: stop the child, give the trial back
-            _stop(child)
-            attempt.write(sweep, ended=time.time(), outcome="interrupted")
-            with contextlib.suppress(StorageError):  # (the storage gone for good: the grace period gives it back)
-                queue.release(claimed, "worker interrupted")
-                attempt.tell_failed()
-            raise
+        raise
     return _settle(queue, layout, plan, attempt, rc)
 
 
@@ -258,7 +283,16 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
     """Drain the queue. Stays while other workers' trials run, since a lost one comes back."""
     plan = read_json(layout.plan_path)
     keys = set(all_keys(plan))
-    summary = WorkerSummary()
+    summary, launcher = WorkerSummary(), Launcher(opts)
+    try:
+        _drain(queue, layout, opts, plan, keys, summary, launcher)
+    finally:
+        launcher.close()
+    return summary
+
+
+def _drain(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions, plan: dict[str, Any], keys: set[str],
+           summary: WorkerSummary, launcher: Launcher) -> None:
     while opts.max_trials is None or len(summary.ran) < opts.max_trials:
         queue.reap_lost()
         claimed = queue.claim(keys)
@@ -274,7 +308,7 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
         log.info("%s: trial %d %s%s seed %d (attempt %d)", queue.worker, claimed.number, claimed.spec.label,
                  " (tuning)" if claimed.spec.kind == "tune" else "", claimed.spec.seed, claimed.attempt)
         started = time.time()
-        outcome = run_trial(queue, layout, claimed, plan, opts)
+        outcome = run_trial(queue, layout, claimed, plan, opts, launcher)
         summary.seconds.append(time.time() - started)
         log.info("%s: trial %d %s seed %d: %s%s %s", queue.worker, claimed.number, claimed.spec.label,
                  claimed.spec.seed, outcome, _objective_text(layout, claimed, plan),
@@ -284,7 +318,6 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
             summary.failed.append(claimed.spec.key)
         elif outcome == "lost":
             summary.lost.append(claimed.spec.key)
-    return summary
 
 
 def _progress_text(counts: dict[str, int], seconds: list[float], workers: int) -> str:
@@ -327,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="workers draining the queue together")
     parser.add_argument("--storage-retry-s", type=float, default=DEFAULT_RETRY_S,
                         help="how long to wait out an unreachable storage before stopping")
+    parser.add_argument("--gpus", help="CUDA_VISIBLE_DEVICES for this worker's trials")
+    parser.add_argument("--launcher", choices=("fork", "spawn"), default="fork")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     url = os.environ.get(STORAGE_ENV)
@@ -341,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         queue = open_queue(plan, url, args.storage_retry_s)
         run_worker(queue, layout, WorkerOptions(data_dir=args.data_dir, cache_dir=args.cache_dir,
                                                 threads=args.threads, runner=args.runner, poll_s=args.poll_s,
-                                                workers=args.workers, storage_retry_s=args.storage_retry_s))
+                                                workers=args.workers, storage_retry_s=args.storage_retry_s,
+                                                gpus=args.gpus, launcher=args.launcher))
     except StorageError as err:  # another storage than the sweep's, or an outage that outlasted the retries
         print(f"worker: {err}", file=sys.stderr)
         return 2

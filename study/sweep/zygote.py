@@ -85,6 +85,7 @@ def _child(request: dict[str, Any]) -> None:
     code = 1
     try:
         die_with_parent()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a trial takes Ctrl-C as a new interpreter does
         if os.getppid() == 1:  # the zygote died before the line above took effect
             os._exit(1)
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -132,6 +133,9 @@ def _reap(children: set[int], out) -> None:
 
 def serve(runner: str) -> None:
     """The zygote's loop: preload, then fork a child per request until the worker goes away."""
+    # Ctrl-C reaches every process of the terminal's group: the worker decides what stops (it kills its trial and
+    # closes this zygote), so the zygote must not die first and take the trial's exit code with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     preload(runner)
     commands, out = LineReader(sys.stdin.fileno()), sys.stdout
     children: set[int] = set()
@@ -165,7 +169,10 @@ class TrialProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self.zygote.exit_of(self.pid, timeout)
+            try:
+                self.returncode = self.zygote.exit_of(self.pid, timeout)
+            except RuntimeError:  # the zygote is gone, and its children with it (PR_SET_PDEATHSIG)
+                self.returncode = -signal.SIGKILL
         return self.returncode
 
     def kill(self) -> None:
