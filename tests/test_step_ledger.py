@@ -141,7 +141,8 @@ def test_a_training_step_reads_no_tensor_except_at_logging_steps(corpus, monkeyp
         monkeypatch.setattr(torch.Tensor, name, _counting(name))
     CountsReads.reads_by_step = {}
     cfg = make_cfg(train={"max_steps": 12, "log_every": 4, "grad_norm_every": 4, "eval_every": 50,
-                          "checkpoint_every": 50, "grad_clip": 1.0, "precision": precision, "progress_bar": True})
+                          "checkpoint_every": 50, "grad_clip": 1.0, "precision": precision, "progress_bar": True,
+                          "ema_decay": 0.99})
     run(corpus, cfg, f"host-reads-{precision}")
     assert sorted(CountsReads.reads_by_step) == list(range(12))
     logging_steps = {s for s in range(12) if (s + 1) % 4 == 0 or s % 4 == 0}  # written, or its grad norms taken

@@ -287,11 +287,26 @@ class ExponentialMovingAverage(WeightAveraging):
 
     def __init__(self, decay: float):
         self.decay = decay
-        super().__init__(use_buffers=False, multi_avg_fn=self._update)  # buffers are constants (no batch norm here)
+        super().__init__(use_buffers=False)  # buffers are constants (no batch norm here)
 
-    def _update(self, averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor) -> None:
-        n = num_averaged.to(averaged[0].dtype)  # kept on the device: a float() here would sync every step
-        torch._foreach_lerp_(averaged, current, 1.0 - ((1.0 + n) / (10.0 + n)).clamp(max=self.decay))
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        # Lightning's own update goes through torch's AveragedModel.update_parameters, which reads its update count
+        # on the host twice per step (a GPU sync each); this one keeps the count on the device. Same schedule of
+        # updates as WeightAveraging's (once per optimizer step).
+        if trainer.global_step > self._latest_update_step and self.should_update(step_idx=trainer.global_step - 1):
+            self._update(pl_module)
+            self._latest_update_step = trainer.global_step
+
+    @torch.no_grad()
+    def _update(self, pl_module) -> None:
+        """average <- lerp(average, weights, 1 - min(decay, (1 + n) / (10 + n))) after n updates; the first copies."""
+        model = self._average_model
+        averaged = [p.detach() for p in model.module.parameters()]
+        current = [p.detach().to(a.device) for p, a in zip(pl_module.parameters(), averaged)]
+        n = model.n_averaged.to(device=averaged[0].device, dtype=averaged[0].dtype)
+        weight = torch.where(n == 0, torch.ones_like(n), 1.0 - ((1.0 + n) / (10.0 + n)).clamp(max=self.decay))
+        torch._foreach_lerp_(averaged, current, weight)
+        model.n_averaged += 1
 
 
 def length_grouped_batches(lengths: Sequence[int], batch_size: int, generator: torch.Generator,
