@@ -10,7 +10,15 @@ from typing import Any, Callable
 
 
 def _umask() -> int:
-    """The process's umask (reading it means setting it: set it straight back)."""
+    """The process's umask: from /proc/self/status on Linux; elsewhere by setting it and straight back (a moment in
+    which another thread's new file would get 022)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from study.config import TrainConfig
 from study.config.base import ConfigError
@@ -42,6 +43,12 @@ def test_a_finite_blow_up_above_the_factor_diverges_at_the_end_of_its_read():
     assert ledger.divergence(_read([30.0, 31.0], start=10)) is None  # below 4 x 8 on average
     found = ledger.divergence(_read([20.0, 400.0], start=12))
     assert found.step == 13 and "above 4 x the initial 8" in found.reason
+
+
+def test_a_blow_up_in_the_first_read_is_caught_by_that_read():
+    ledger = StepLedger(factor=4.0)
+    found = ledger.divergence(_read([4.0] + [400.0] * 9))
+    assert found is not None and found.step == 9 and "the initial 4" in found.reason
 
 
 def test_without_a_factor_only_non_finite_losses_diverge():
@@ -115,10 +122,23 @@ class CountsReads(LMModule):
         super().on_train_batch_start(batch, batch_idx)
         CountsReads.counting = int(self.global_step)
         CountsReads.reads_by_step[CountsReads.counting] = []
+        self._mode = ScalarReads()
+        self._mode.__enter__()
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         super().on_train_batch_end(outputs, batch, batch_idx)
+        self._mode.__exit__(None, None, None)
         CountsReads.counting = None
+
+
+class ScalarReads(TorchDispatchMode):
+    """Reads made below Python: a tensor turned into a Python number inside an operator's argument parsing (a 0-d
+    tensor passed where a Scalar is expected) reaches `aten._local_scalar_dense` without calling `.item()`."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and CountsReads.counting is not None:
+            CountsReads.reads_by_step[CountsReads.counting].append("_local_scalar_dense")
+        return func(*args, **(kwargs or {}))
 
 
 def _counting(name):

@@ -42,3 +42,31 @@ def test_a_trial_needs_as_many_gpus_as_its_points_largest_train_devices():
     assert gpus_per_trial(plan) == 4
     staged = {"points": [{"config": {"stages": {"pretrain": {"train": {"devices": 2}}, "glue": {"train": {}}}}}]}
     assert gpus_per_trial(staged) == 2
+
+
+def test_a_sweep_on_the_cpu_needs_no_gpu_whatever_the_host_has():
+    plan = json.loads((REPO / "results" / "default" / "plan.json").read_text())
+    for point in plan["points"]:
+        point["config"]["train"]["accelerator"] = "cpu"
+    assert gpus_per_trial(plan) == 0
+    assert assign(4, gpus_per_trial(plan), ["0"]) == [None] * 4  # 4 CPU workers on a 1-GPU host: not refused
+
+
+def test_a_trial_whose_process_cannot_start_fails_with_the_reason_instead_of_killing_its_worker(tmp_path,
+                                                                                              monkeypatch):
+    """The zygote cannot import the runner's module: every attempt fails with that reason in the results table and
+    the sweep ends (retries spent), rather than the worker dying with its trial left RUNNING."""
+    import pandas as pd
+
+    from study.sweep import SweepOptions, run_sweep
+    from tests.test_sweep import write_spec
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    path = write_spec(tmp_path, seeds=[0], max_retries=1)
+    options = SweepOptions(results=tmp_path / "results", runner="tests.no_such_runner_module:run", estimate_rate=1e11,
+                           poll_s=0.3)
+    final = run_sweep(path, options, say=lambda *_: None)
+    assert final["failed"] == 2 and final["running"] == 0
+    table = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet")
+    assert set(table.status) == {"failed"}
+    assert all("could not start" in e for e in table.error)

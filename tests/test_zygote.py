@@ -47,6 +47,15 @@ def test_a_child_runs_the_trial_with_its_environment_and_threads_and_logs_its_ou
     assert "hello from the trial" in (tmp / "a.log").read_text()
 
 
+def test_a_forked_trial_relaunches_as_the_trial_command_for_its_other_ddp_ranks(zygote):
+    """Lightning starts DDP ranks 1..n-1 by re-running this process's command line: in a forked child that must be
+    `python -m study.sweep.trial ARGV`, as a spawned trial's is, not the zygote's."""
+    z, tmp = zygote
+    argv = _argv(tmp, "ddp")
+    assert z.start(argv, str(tmp / "ddp.log"), 1, {"STUDY_ZYGOTE_MODE": "ddp-command"}).wait(60) == 0
+    assert (tmp / "ddp" / "command.txt").read_text().split("\n") == [sys.executable, "-m", "study.sweep.trial", *argv]
+
+
 def test_a_failing_trial_reports_its_exit_code_and_its_traceback_goes_to_the_log(zygote):
     z, tmp = zygote
     child = z.start(_argv(tmp, "b"), str(tmp / "b.log"), threads=1, env={"STUDY_ZYGOTE_MODE": "fail"})

@@ -16,6 +16,11 @@ def run(cfg, run_dir, data_dir=None, cache_dir=None):
     print("hello from the trial")
     if mode == "fail":
         raise RuntimeError("scripted failure")
+    if mode == "ddp-command":  # what Lightning's DDP launcher would start for the other ranks
+        from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
+
+        (run_dir / "command.txt").write_text("\n".join(_basic_subprocess_cmd()))
+        return
     if mode == "sleep":
         (run_dir / "sleeping").write_text("")
         time.sleep(600)

@@ -45,7 +45,7 @@ def _driver_gpu_count() -> int:
 def assign(workers: int, gpus_per_trial: int, gpus: list[str]) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES for each of `workers` workers (None each when there is no GPU: CPU trials); a
     DeviceError when the GPUs cannot give every worker its own."""
-    if not gpus:
+    if not gpus or gpus_per_trial == 0:
         return [None] * workers
     need = workers * gpus_per_trial
     if need > len(gpus):
@@ -57,10 +57,12 @@ def assign(workers: int, gpus_per_trial: int, gpus: list[str]) -> list[str | Non
 
 def gpus_per_trial(plan: dict) -> int:
     """The most GPUs one trial of the plan uses: the largest `train.devices` of its points (a study in stages: of any
-    stage)."""
-    most = 1
+    stage) that do not train on the CPU (`train.accelerator: cpu`); 0 when none uses a GPU."""
+    most = 0
     for point in plan.get("points", []):
         cfg = point.get("config") or {}
-        sections = list((cfg.get("stages") or {}).values()) or [cfg]
-        most = max([most] + [int((s.get("train") or {}).get("devices", 1)) for s in sections])
+        for section in list((cfg.get("stages") or {}).values()) or [cfg]:
+            train = section.get("train") or {}
+            if train.get("accelerator", "auto") != "cpu":
+                most = max(most, int(train.get("devices", 1)))
     return most

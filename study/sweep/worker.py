@@ -210,7 +210,10 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
                if attempt.tuning and plan["tune"]["pruner"] != "none" else None)
     with open(run.trial_log, "ab") as out:
         out.write(f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n".encode())
-    child = (launcher or Launcher(WorkerOptions(launcher="spawn"))).start(cmd, env, run.trial_log)
+    try:  # a launcher that cannot start the trial (e.g. the zygote's preload fails) fails this attempt, as a crash would
+        child = (launcher or Launcher(WorkerOptions(launcher="spawn"))).start(cmd, env, run.trial_log)
+    except Exception as err:  # noqa: BLE001
+        return _settle(queue, layout, plan, attempt, _note_start_failure(run.trial_log, err))
     try:
         rc = _supervise(queue, child, attempt, pruning)
     except TrialPruned:
@@ -233,6 +236,14 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
             attempt.tell_failed()
         raise
     return _settle(queue, layout, plan, attempt, rc)
+
+
+def _note_start_failure(log: Path, err: Exception) -> int:
+    """Write why the trial process could not start to its log (where a failed trial's error is read from); the exit
+    code to settle the attempt with."""
+    with open(log, "a") as out:
+        out.write(f"the trial process could not start: {type(err).__name__}: {err}\n")
+    return 1
 
 
 def _settle(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attempt: Attempt, rc: int) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -104,6 +105,7 @@ def _child(request: dict[str, Any]) -> None:
             sys.modules["torch"].seed()  # a new interpreter's generator is seeded from the OS: so is a child's
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()  # (Python's `random` reseeds itself after a fork)
+        _become_the_trial_command(request["argv"])
         from study.sweep.trial import main
 
         code = main(request["argv"]) or 0
@@ -119,6 +121,17 @@ def _child(request: dict[str, Any]) -> None:
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code)
+
+
+def _become_the_trial_command(argv: list[str]) -> None:
+    """Make this process look like `python -m study.sweep.trial ARGV` to code that re-executes its own command line:
+    Lightning's DDP launcher starts ranks 1..n-1 as `[python, -m, __main__.__spec__.name, *sys.argv[1:]]`, which in a
+    forked child would otherwise start more zygotes instead of the trial's other ranks."""
+    import __main__
+
+    spec = importlib.util.find_spec("study.sweep.trial")
+    __main__.__spec__ = spec
+    sys.argv = [spec.origin, *argv]
 
 
 def _reap(children: set[int], out) -> None:

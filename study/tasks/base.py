@@ -305,7 +305,8 @@ class ExponentialMovingAverage(WeightAveraging):
         current = [p.detach().to(a.device) for p, a in zip(pl_module.parameters(), averaged)]
         n = model.n_averaged.to(device=averaged[0].device, dtype=averaged[0].dtype)
         weight = torch.where(n == 0, torch.ones_like(n), 1.0 - ((1.0 + n) / (10.0 + n)).clamp(max=self.decay))
-        torch._foreach_lerp_(averaged, current, weight)
+        # one weight tensor per parameter (expanded views): the overload with a single 0-d weight reads it on the host
+        torch._foreach_lerp_(averaged, current, [weight.expand_as(a) for a in averaged])
         model.n_averaged += 1
 
 

@@ -48,7 +48,7 @@ class StepLedger:
 
     factor: float | None  # train.divergence_factor; None: only a non-finite loss is a divergence
     pending: list[tuple[int, torch.Tensor, Any]] = field(default_factory=list)
-    reference: list[float] = field(default_factory=list)  # losses of the first REFERENCE_STEPS steps (all ranks alike)
+    reference: list[float] = field(default_factory=list)  # losses of the first REFERENCE_STEPS steps (this rank's)
 
     def add(self, step: int, loss: torch.Tensor, tokens: int | torch.Tensor) -> None:
         self.pending.append((step, loss.detach(), tokens))
@@ -73,8 +73,8 @@ class StepLedger:
         for step, loss in zip(read.steps, read.losses):
             if not math.isfinite(loss):
                 return Divergence(step, f"training loss {loss} at step {step}")
-        initial = self.initial_loss()
         self.reference += read.losses[: REFERENCE_STEPS - len(self.reference)]
+        initial = self.initial_loss()  # (known from the first read on: the first read is judged too)
         if initial is None or self.factor is None:
             return None
         mean = sum(read.losses) / len(read.losses)
