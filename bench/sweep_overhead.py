@@ -113,6 +113,7 @@ def main() -> int:
     args = parser.parse_args()
     ways = ("study run", "spawn", "fork")
     per_round: list[dict[str, float]] = []
+    means: dict[str, list[dict[str, float]]] = {}  # per way, per round: mean wall, fit and final-eval seconds
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         spec = _spec(work, args.trials, args.steps)
@@ -123,6 +124,7 @@ def main() -> int:
                 rows = (run_single(work, args.trials, args.steps, args.data_dir, args.threads) if way == "study run"
                         else run_sweep(spec, work, way, args.data_dir, args.threads))
                 fixed[way] = _fixed(rows)
+                means.setdefault(way, []).append({k: statistics.mean(x[k] for x in rows) for k in ("wall", "fit", "eval")})
                 print(f"round {r}: {way:9s} fixed cost {fixed[way]:6.2f} s/trial "
                       f"(wall {statistics.mean(x['wall'] for x in rows):.2f}, fit "
                       f"{statistics.mean(x['fit'] for x in rows):.2f}, final eval "
@@ -134,7 +136,8 @@ def main() -> int:
           + f"; fork / spawn {ratio:.2f}")
     record = {"benchmark": "sweep_overhead", "date": str(datetime.date.today()), "machine": _machine(),
               "trials": args.trials, "steps": args.steps, "threads": args.threads, "rounds": per_round,
-              "median_fixed_seconds_per_trial": summary, "median_ratio_fork_to_spawn": ratio}
+              "median_fixed_seconds_per_trial": summary, "median_ratio_fork_to_spawn": ratio,
+              "mean_seconds_per_trial_by_round": means}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"written: {args.out}")
     return 0
