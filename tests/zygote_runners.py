@@ -8,6 +8,8 @@ import random
 import time
 from pathlib import Path
 
+print("a module that prints when imported (the zygote preloads it): this must not reach the worker's replies")
+
 
 def run(cfg, run_dir, data_dir=None, cache_dir=None):
     run_dir = Path(run_dir)

@@ -149,8 +149,10 @@ def serve(runner: str) -> None:
     # Ctrl-C reaches every process of the terminal's group: the worker decides what stops (it kills its trial and
     # closes this zygote), so the zygote must not die first and take the trial's exit code with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")  # the protocol's own descriptor: whatever a preloaded module
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints goes to stderr, never into the worker's replies
     preload(runner)
-    commands, out = LineReader(sys.stdin.fileno()), sys.stdout
+    commands = LineReader(sys.stdin.fileno())
     children: set[int] = set()
     try:
         while True:
@@ -164,6 +166,7 @@ def serve(runner: str) -> None:
             out.flush()
             pid = os.fork()
             if pid == 0:
+                os.close(out.fileno())  # the replies are the zygote's: the worker must see their end when it dies
                 _child(json.loads(line))
             children.add(pid)
             out.write(json.dumps({"pid": pid}) + "\n")
