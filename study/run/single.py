@@ -7,6 +7,7 @@ checkpoint; a finished run is not repeated, and a directory holding another conf
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import logging
 import os
@@ -184,7 +185,7 @@ def _record(cfg: ExperimentConfig, trainer, module, final: dict[str, Any], timin
     return make_record(status, final, cost, steps=int(trainer.global_step), train_tokens=module.train_tokens,
                        diverged_at_step=module.diverged_at, stopped_by="time" if stopped_by_time else None,
                        declared=task.declared() if declared is None else declared,
-                       **({"divergence": module.divergence.to_dict()} if module.divergence else {}))
+                       **({"divergence": dataclasses.asdict(module.divergence)} if module.divergence else {}))
 
 
 def run_single(

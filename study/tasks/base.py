@@ -11,6 +11,7 @@ implement `training_loss` and `validation_loss`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import time
@@ -245,8 +246,8 @@ class StudyModule(L.LightningModule):
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "train_tokens": self.train_tokens,
             "diverged_at": self.diverged_at,
-            "divergence": self.divergence.to_dict() if self.divergence else None,
-            "initial_losses": list(self.ledger.reference),
+            "divergence": dataclasses.asdict(self.divergence) if self.divergence else None,
+            "initial_loss": self.ledger.initial,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -258,7 +259,7 @@ class StudyModule(L.LightningModule):
         self.train_tokens = state.get("train_tokens", 0)
         self.diverged_at = state.get("diverged_at")
         self.divergence = Divergence(**state["divergence"]) if state.get("divergence") else None
-        self.ledger.reference = list(state.get("initial_losses", []))
+        self.ledger.initial = state.get("initial_loss")
 
     def on_train_end(self) -> None:
         self.settle()  # the steps after the last logging step (a run stopped between them)

@@ -21,9 +21,6 @@ from typing import Any
 
 import torch
 
-REFERENCE_STEPS = 1  # the run's initial loss is its first step's: the model as initialised, before any update
-
-
 @dataclass
 class Read:
     """One read of the ledger: each step's index, loss and token count, in order."""
@@ -38,9 +35,6 @@ class Divergence:
     step: int
     reason: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "reason": self.reason}
-
 
 @dataclass
 class StepLedger:
@@ -48,7 +42,7 @@ class StepLedger:
 
     factor: float | None  # train.divergence_factor; None: only a non-finite loss is a divergence
     pending: list[tuple[int, torch.Tensor, Any]] = field(default_factory=list)
-    reference: list[float] = field(default_factory=list)  # losses of the first REFERENCE_STEPS steps (this rank's)
+    initial: float | None = None  # the first step's loss (this rank's): the model as initialised, before any update
 
     def add(self, step: int, loss: torch.Tensor, tokens: int | torch.Tensor) -> None:
         self.pending.append((step, loss.detach(), tokens))
@@ -73,18 +67,12 @@ class StepLedger:
         for step, loss in zip(read.steps, read.losses):
             if not math.isfinite(loss):
                 return Divergence(step, f"training loss {loss} at step {step}")
-        self.reference += read.losses[: REFERENCE_STEPS - len(self.reference)]
-        initial = self.initial_loss()  # (known from the first read on: the first read is judged too)
-        if initial is None or self.factor is None:
+        if self.initial is None:  # the first read sets it, and is judged against it too
+            self.initial = read.losses[0]
+        if self.factor is None:
             return None
         mean = sum(read.losses) / len(read.losses)
-        if mean > self.factor * initial:
+        if mean > self.factor * self.initial:
             return Divergence(read.steps[-1], f"mean training loss {mean:.4g} over steps {read.steps[0]}-"
-                                              f"{read.steps[-1]} above {self.factor:g} x the initial {initial:.4g}")
+                                              f"{read.steps[-1]} above {self.factor:g} x the initial {self.initial:.4g}")
         return None
-
-    def initial_loss(self) -> float | None:
-        """The mean loss of the first REFERENCE_STEPS steps (the first step's), once read."""
-        if len(self.reference) < REFERENCE_STEPS:
-            return None
-        return sum(self.reference) / len(self.reference)
