@@ -119,10 +119,19 @@ class KVCache:
         return k, v
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Select batch rows (beam search keeps the surviving hypotheses)."""
-        for store in (self.self_kv, self.cross_kv):
-            for layer, (k, v) in store.items():
-                store[layer] = (k.index_select(0, index), v.index_select(0, index))
+        """Select batch rows of both stores (beam search keeps the surviving hypotheses)."""
+        self.select_self(index)
+        self.select_cross(index)
+
+    def select_self(self, index: torch.Tensor) -> None:
+        """Select batch rows of the self-attention K/V (what depends on each hypothesis)."""
+        self.self_kv = {layer: (k.index_select(0, index), v.index_select(0, index))
+                        for layer, (k, v) in self.self_kv.items()}
+
+    def select_cross(self, index: torch.Tensor) -> None:
+        """Select batch rows of the cross-attention K/V (what depends only on the source sentence)."""
+        self.cross_kv = {layer: (k.index_select(0, index), v.index_select(0, index))
+                         for layer, (k, v) in self.cross_kv.items()}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in (self.self_kv, self.cross_kv) for kv in s.values() for t in kv)

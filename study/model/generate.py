@@ -37,16 +37,14 @@ class _Decoder:
         the beams: it keeps `sentence_rows` (the rows of the sentences still searching, in place), or all rows
         when None. Half of the bytes beam search moved each step were these copies."""
         if self.cache is not None:
-            self.cache.self_kv = {layer: (k.index_select(0, index), v.index_select(0, index))
-                                  for layer, (k, v) in self.cache.self_kv.items()}
+            self.cache.select_self(index)
         if sentence_rows is None:
             return
         self.memory = self.memory.index_select(0, sentence_rows)
         if self.memory_mask is not None:
             self.memory_mask = self.memory_mask.index_select(0, sentence_rows)
         if self.cache is not None:
-            self.cache.cross_kv = {layer: (k.index_select(0, sentence_rows), v.index_select(0, sentence_rows))
-                                   for layer, (k, v) in self.cache.cross_kv.items()}
+            self.cache.select_cross(sentence_rows)
 
 
 def _max_lengths(model, src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:
