@@ -45,3 +45,16 @@ def test_atomic_writes_respect_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "metrics.json").stat().st_mode) == 0o666 & ~umask
+
+
+def test_a_sweeps_storage_record_respects_the_umask_too(tmp_path):
+    from study.sweep.layout import SweepLayout, record_storage
+
+    layout = SweepLayout(tmp_path / "sweep")
+    old = os.umask(0o022)
+    try:
+        record_storage(layout, f"sqlite:///{tmp_path / 'q.db'}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(layout.storage_path.stat().st_mode) == 0o644
+    assert [p.name for p in layout.sweep_dir.iterdir()] == ["storage.json"]  # no temporary file left

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from study.io import read_json
+from study.io import atomic_write_json, read_json
 from study.record import RunDir
 from study.sweep.queue import TrialSpec
 from study.sweep.storage import StorageError, identity, redact
@@ -81,21 +81,16 @@ def check_storage(layout: SweepLayout, url: str) -> None:
 
 def record_storage(layout: SweepLayout, url: str) -> None:
     """Record the storage (once; of two commands starting together on a new folder, the second is refused)."""
-    import json
     import os
-    import tempfile
 
-    layout.sweep_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"identity": identity(url), "url": redact(url)}, indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=layout.sweep_dir, prefix=".storage-", suffix=".json")
+    tmp = layout.sweep_dir / f".storage-{os.getpid()}.json"
+    atomic_write_json(tmp, {"identity": identity(url), "url": redact(url)})  # whole, with the umask's mode
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
         os.link(tmp, layout.storage_path)  # never replaces: the first record stands
     except FileExistsError:
         pass
     finally:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
     check_storage(layout, url)
 
 

@@ -79,8 +79,7 @@ class TrialSpec:
 class _LockWait:
     """How long this process has waited for the enqueue lock under its current holder, and when it last said so."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self) -> None:
         self.restart()
 
     def restart(self) -> None:
@@ -123,6 +122,13 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _gone_from_this_host(worker: str) -> bool:
+    """Whether `worker` ("host:pid", as queue.worker records it) is another process on this host that no longer runs:
+    what a trial's worker or the enqueue lock's holder is known by."""
+    host, _, pid = worker.rpartition(":")
+    return host == _host() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
 
 
 class TrialQueue:
@@ -185,7 +191,7 @@ class TrialQueue:
         from optuna.study import StudyDirection
 
         name = f"{self.sweep}~enqueue-lock"
-        wait = _LockWait(name)
+        wait = _LockWait()
         while True:
             try:
                 lock_id = self.storage.create_new_study([StudyDirection.MINIMIZE], study_name=name)
@@ -213,8 +219,7 @@ class TrialQueue:
         if lock_id is None:
             return
         worker = (holder or {}).get("worker", "")
-        host, _, pid = worker.rpartition(":")
-        dead_here = host == _host() and pid.isdigit() and not _pid_alive(int(pid))
+        dead_here = _gone_from_this_host(worker)
         waited = wait.waited(worker, recovered_at=getattr(self.storage, "recovered_at", 0.0))
         if dead_here or waited > LOCK_STALE_S:
             if self._lock_holder(name) == (lock_id, holder):  # still the one judged (not a new holder's lock)
@@ -308,8 +313,7 @@ class TrialQueue:
                 beat = t.datetime_start.timestamp() if t.datetime_start else now
             # nobody could beat while the storage was down: after an outage every worker gets the grace period anew
             beat = max(beat, getattr(self.storage, "recovered_at", 0.0))
-            host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
-            dead_here = host == _host() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+            dead_here = _gone_from_this_host(str(t.user_attrs.get("worker", "")))
             if dead_here or now - beat > self.grace_s:
                 lost.append((t, "its worker process is gone" if dead_here else f"no heartbeat for {now - beat:.0f} s"))
         return lost
