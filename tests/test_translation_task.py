@@ -297,6 +297,40 @@ def test_label_smoothing_is_applied_to_the_training_loss_only(trained, data_root
         assert float(modules[0.1].validation_loss(batch)[0]) == pytest.approx(float(plain), rel=1e-6)
 
 
+def test_the_training_loss_is_fused_and_equals_smoothed_cross_entropy_of_the_models_logits():
+    """Without train.compile the training loss is the model's fused loss (study.model.loss): the output projection
+    never runs as a layer, and loss and gradients are those of cross-entropy with label smoothing on forward's
+    logits, padding ignored."""
+    from study.tasks.translation import BOS, EOS, IGNORE, TranslationModule, collate
+
+    torch.manual_seed(0)
+    cfg = config(model={"vocab_size": 50})
+    module = TranslationModule(cfg)
+    rng = random.Random(0)
+
+    def words():
+        return [rng.randrange(4, 50) for _ in range(rng.randint(2, 9))]
+
+    batch = collate([(words(), [BOS, *words(), EOS]) for _ in range(6)])  # sentences of several lengths: padding
+    assert bool((batch["labels"] == IGNORE).any()) and not bool(batch["src_mask"].all())
+    params = list(module.model.parameters())
+
+    projections = []
+    hook = module.model.lm_head.register_forward_hook(lambda *args: projections.append(1))
+    loss, count = module.training_loss(batch)
+    hook.remove()
+    assert projections == [] and int(count) == int((batch["labels"] != IGNORE).sum())
+    grads = torch.autograd.grad(loss, params)
+
+    logits = module.model(batch["src"], batch["tgt_in"], batch["src_mask"])
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
+                                              ignore_index=IGNORE, label_smoothing=cfg.train.label_smoothing)
+    assert cfg.train.label_smoothing == 0.1
+    torch.testing.assert_close(loss, plain, atol=1e-6, rtol=1e-5)
+    for (name, _), got, expected in zip(module.model.named_parameters(), grads, torch.autograd.grad(plain, params)):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Budgets, configuration errors and data errors
 

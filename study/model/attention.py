@@ -145,7 +145,58 @@ def share_kv_in_kernel(bias: torch.Tensor | None, device: torch.device) -> bool:
     return _SDPA_HAS_GQA and (bias is None or device.type == "cpu")
 
 
+# SDPA's fused CPU kernel (torch <= 2.13 at least) is fast forward in bf16/fp16 but slow backward at short lengths:
+# measured on a Xeon with AMX-BF16, 2 threads, forward + backward of (B, nh, T, hs) = (64, 4, 20, 64) took 12.4 ms in
+# bf16 against 2.7 ms with the same forward and the float32 backward, (32, 8, 128, 64) 55 against 27 ms; the two meet
+# at 256 keys (45 ms each) and bf16 wins beyond (384 keys: 37 against 42 ms). Below this many keys a half-precision
+# CPU training step keeps the kernel's forward and runs its backward in float32 (bench/axis_cost.py --attention).
+_CPU_FLOAT32_BACKWARD_BELOW = 256
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_cpu_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _CpuFlashFloat32Backward(torch.autograd.Function):
+    """SDPA's CPU flash kernel in q's dtype forward; its backward in float32 from the same saved output and
+    log-sum-exp, gradients returned in the inputs' dtypes. Outputs equal SDPA's; gradients are SDPA's up to rounding
+    (closer to float64 than the half-precision backward: tests/test_attention_kernels.py)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, is_causal):
+        out, lse = _cpu_flash(q, k, v, 0.0, is_causal, attn_mask=bias)  # (B, nh, T, hs), (B, nh, T) float32
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bias, ctx.is_causal = bias, is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        bias = None if ctx.bias is None else ctx.bias.float()
+        with torch.autocast("cpu", enabled=False):  # a backward called inside autocast must stay float32
+            dq, dk, dv = _cpu_flash_backward(grad_out.float().contiguous(), q.float(), k.float(), v.float(),
+                                             out.float(), lse, 0.0, ctx.is_causal, attn_mask=bias)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _float32_backward_pays(q, k, v, bias, dropout_p) -> bool:
+    """Whether this SDPA call is a half-precision CPU training call short enough for `_CpuFlashFloat32Backward`:
+    no dropout and no learned bias (the kernel computes no bias gradient, so SDPA itself picks the math kernel for
+    T5's bias), and K/V heads the kernel shares itself or as many as q's."""
+    return (
+        _cpu_flash_backward is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and dropout_p == 0.0
+        and (bias is None or not bias.requires_grad)
+        and k.shape[-2] < _CPU_FLOAT32_BACKWARD_BELOW
+        and (k.shape[1] == q.shape[1] or _SDPA_HAS_GQA)
+    )
+
+
 def _sdpa(q, k, v, bias, is_causal, dropout_p, n_rep):
+    if _float32_backward_pays(q, k, v, bias, dropout_p):
+        return _CpuFlashFloat32Backward.apply(q, k, v, bias, is_causal)
     if n_rep > 1:
         if share_kv_in_kernel(bias, q.device):
             return F.scaled_dot_product_attention(

@@ -1,8 +1,8 @@
 """Next-token cross-entropy fused with the output projection, computed in row chunks.
 
 `linear_cross_entropy(h, weight, targets)` equals
-`F.cross_entropy(F.linear(h, weight, bias).float(), targets, ignore_index=...)` (mean over
-non-ignored targets) but never materialises the (N, vocab) logits: each chunk of rows is
+`F.cross_entropy(F.linear(h, weight, bias).float(), targets, ignore_index=..., label_smoothing=...)` (mean
+over non-ignored targets) but never materialises the (N, vocab) logits: each chunk of rows is
 projected, and its softmax, loss and gradient (softmax - one_hot) are computed while the
 chunk is in cache. The loss reads log p[target] from the softmax, which on CPU is several
 times faster than log_softmax (log_softmax takes over for the rare rows where p underflows).
@@ -11,6 +11,12 @@ backward only scales them by the incoming gradient. The matmuls are the same thr
 unfused path runs (logits, dlogits @ W, dlogits^T @ h), so it costs no extra FLOPs, and
 peak memory drops by about three (N, vocab) float32 tensors (logits, log-probabilities,
 their gradient).
+
+Label smoothing eps makes a row's loss (1 - eps) * (-log p_t) + eps * (logsumexp - mean logit), which is
+-log p_t + eps * (target logit - mean logit), and its logit gradient p - (1 - eps) one_hot - eps/V. Neither
+needs another pass over a chunk: the mean logit is h . mean(W) + mean(b), and the constant -eps/V reaches the
+gradients of `h`, `weight` and `bias` as rank-one terms added once at the end (`_Smoothing`). With eps = 0 none
+of it runs.
 
 Under autocast the projections run in the autocast dtype and the softmax in float32, as
 the unfused path does. In float32 the result equals the unfused loss and gradients up to
@@ -37,7 +43,7 @@ _LOG_TINY = -69.0
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, ignore_index, chunk_size, compute_dtype):
+    def forward(ctx, h, weight, bias, targets, ignore_index, chunk_size, compute_dtype, label_smoothing):
         n = h.shape[0]
         needs = ctx.needs_input_grad
         with torch.autocast(h.device.type, enabled=False):
@@ -57,6 +63,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_b = None
             if b is not None and needs[2]:
                 grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device)
+            smoothing = _Smoothing(label_smoothing, hc, w, b, valid) if label_smoothing else None
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
                 x = hc[start:end]
@@ -66,15 +73,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # log-probability is log(p) unless p underflows, where log_softmax decides.
                 p = torch.softmax(logits, dim=-1)
                 picked = _picked_log_probs(p, logits, t, reads_free)
+                keep = valid[start:end] if any_ignored else None
+                if smoothing is not None:
+                    smoothing.add_rows(x, logits, t, keep)
                 del logits
                 if any_ignored:
-                    keep = valid[start:end]
                     picked = picked.masked_fill(~keep, 0.0)
                 loss_sum -= picked.sum()
                 if grad_h is None and grad_w is None and grad_b is None:
                     continue
                 g = p
-                g.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=g.dtype))
+                g.scatter_add_(1, t, torch.full_like(t, label_smoothing - 1.0, dtype=g.dtype))
                 if any_ignored:
                     g.mul_(keep[:, None])
                 g = g.to(compute_dtype)
@@ -88,10 +97,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_b is not None:
                     grad_b.add_(g.sum(0, dtype=torch.float32))
             scale = 1.0 / count.to(torch.float32)
+            grads = [None if g_ is None else g_.to(like.dtype)
+                     for g_, like in ((grad_h, h), (grad_w, weight), (grad_b, bias))]
+            if smoothing is not None:
+                loss_sum = loss_sum + smoothing.loss_sum
+                smoothing.add_uniform_gradients(grads, valid, count)
             loss = loss_sum * scale
-            grads = []
-            for g_, like in ((grad_h, h), (grad_w, weight), (grad_b, bias)):
-                grads.append(None if g_ is None else (g_.to(like.dtype) if g_.dtype != like.dtype else g_).mul_(scale))
+            grads = [None if g_ is None else g_.mul_(scale) for g_ in grads]
         ctx.grads = grads
         return loss
 
@@ -101,7 +113,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads = ctx.grads
         if not host_reads_are_free(grad_loss.device) or not bool(grad_loss == 1):
             grads = [None if g is None else g * grad_loss for g in grads]
-        return grads[0], grads[1], grads[2], None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None
 
 
 def _picked_log_probs(p: torch.Tensor, logits: torch.Tensor, t: torch.Tensor, reads_free: bool) -> torch.Tensor:
@@ -120,6 +132,39 @@ def _picked_log_probs(p: torch.Tensor, logits: torch.Tensor, t: torch.Tensor, re
     return torch.where(tiny, exact, picked)
 
 
+class _Smoothing:
+    """Label smoothing's share of the loss and gradients, from O(rows * d) work. A row's smoothed loss
+    (1 - eps) * (-log p_t) + eps * (lse - mean_j z_j) is, with lse = z_t - log p_t, the plain -log p_t plus
+    eps * (z_t - mean_j z_j): no logsumexp to take, and mean_j z_j = x . mean_j w_j + mean_j b_j needs no pass over
+    the chunk's logits. The -eps/V in every logit's gradient is added to the summed gradients once: -eps * mean_j w_j
+    to each kept row of h, -eps/V * (sum of kept rows of h) to each row of W, and -eps/V * (kept rows) to b."""
+
+    def __init__(self, eps: float, hc: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, valid: torch.Tensor):
+        self.eps, self.n_vocab = eps, w.shape[0]
+        self.w_mean = w.mean(0, dtype=torch.float32)  # (d,)
+        self.b_mean = b.mean(dtype=torch.float32) if b is not None else 0.0
+        self.h_sum = valid.to(torch.float32) @ hc.float()  # (d,) sum of the kept rows
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=hc.device)
+
+    def add_rows(self, x: torch.Tensor, logits: torch.Tensor, t: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """Adds eps * (target logit - mean logit) of the chunk's kept rows."""
+        excess = logits.gather(1, t).squeeze(1) - (x.float() @ self.w_mean + self.b_mean)
+        if keep is not None:
+            excess = excess.masked_fill(~keep, 0.0)
+        self.loss_sum += self.eps * excess.sum()
+
+    def add_uniform_gradients(self, grads: list, valid: torch.Tensor, count: torch.Tensor) -> None:
+        """Adds the -eps/V of every kept row's logit gradient to the summed (unscaled) gradients of h, W and b."""
+        grad_h, grad_w, grad_b = grads
+        per_logit = self.eps / self.n_vocab
+        if grad_h is not None:
+            grad_h.addr_(valid.to(grad_h.dtype), self.w_mean.to(grad_h.dtype), alpha=-self.eps)
+        if grad_w is not None:
+            grad_w.sub_((per_logit * self.h_sum).to(grad_w.dtype))
+        if grad_b is not None:
+            grad_b.sub_(per_logit * count)
+
+
 def linear_cross_entropy(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -127,18 +172,19 @@ def linear_cross_entropy(
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Mean cross-entropy of `F.linear(h, weight, bias)` against `targets`, ignoring
-    `ignore_index`; `h` is (..., d) and `targets` the matching (...) shape. `chunk_size`
-    rows are projected at a time (default: about 4M logits, 16 MB in float32, per chunk)."""
+    `ignore_index`, with PyTorch's `label_smoothing`; `h` is (..., d) and `targets` the matching (...)
+    shape. `chunk_size` rows are projected at a time (default: about 4M logits, 16 MB in float32, per chunk)."""
     if chunk_size is None:
         chunk_size = max(64, (1 << 22) // weight.shape[0] // 64 * 64)
     h2 = h.reshape(-1, h.shape[-1])
     t = targets.reshape(-1)
     compute_dtype = autocast_dtype(h.device.type) or torch.promote_types(h.dtype, weight.dtype)
-    if not (h2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if not torch.is_grad_enabled() or not (h2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         with torch.no_grad():
             b = None if bias is None else bias.to(compute_dtype)
             logits = F.linear(h2.to(compute_dtype), weight.to(compute_dtype), b)
-            return F.cross_entropy(logits.float(), t, ignore_index=ignore_index)
-    return _LinearCrossEntropy.apply(h2, weight, bias, t, ignore_index, chunk_size, compute_dtype)
+            return F.cross_entropy(logits.float(), t, ignore_index=ignore_index, label_smoothing=label_smoothing)
+    return _LinearCrossEntropy.apply(h2, weight, bias, t, ignore_index, chunk_size, compute_dtype, label_smoothing)

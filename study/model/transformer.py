@@ -341,6 +341,22 @@ class EncoderDecoderLM(TransformerBase):
     ) -> torch.Tensor:
         return self.decode(tgt_ids, self.encode(src_ids, src_padding_mask), src_padding_mask)
 
+    def loss(
+        self,
+        src_ids: torch.Tensor,
+        tgt_ids: torch.Tensor,
+        targets: torch.Tensor,
+        src_padding_mask: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+    ) -> torch.Tensor:
+        """Mean cross-entropy of the target tokens, fused with the output projection so the (tokens, vocab) logits
+        are never stored (study.model.loss); equal to cross_entropy(forward(src, tgt), targets, label_smoothing)."""
+        memory = self.encode(src_ids, src_padding_mask)
+        h = self.decoder(tgt_ids, memory=memory, memory_padding_mask=src_padding_mask)
+        proj = self.lm_head.proj
+        return linear_cross_entropy(h, proj.weight, targets, proj.bias, ignore_index, label_smoothing=label_smoothing)
+
 
 MODELS = {"decoder": DecoderLM, "encoder": EncoderModel, "encoder-decoder": EncoderDecoderLM}
 

@@ -30,6 +30,18 @@ def git_state() -> dict[str, Any]:
     return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), else platform's answer: numbers from two CPU kinds of the same
+    architecture (an AVX2 EPYC, a Zen 4, a Xeon with AMX) differ several-fold, so every record names its kind."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def attention_kernels() -> dict[str, Any]:
     """Which SDPA kernels this process may use (GPU: flash / memory-efficient / math)."""
     if torch.cuda.is_available():
@@ -38,7 +50,8 @@ def attention_kernels() -> dict[str, Any]:
             "memory_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
             "math": torch.backends.cuda.math_sdp_enabled(),
         }
-    return {"cpu": "fused SDPA (flash-style CPU kernel; math fallback)"}
+    return {"cpu": "fused SDPA (flash-style CPU kernel; math fallback); half-precision training below 256 keys: "
+                   "its forward, its float32 backward (study.model.attention)"}
 
 
 def snapshot(precision: str | None = None) -> dict[str, Any]:
@@ -59,7 +72,9 @@ def snapshot(precision: str | None = None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "precision": precision,
+        "cpu_model": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # e.g. AVX2, AVX512
+        "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
         "native_bf16": native_bf16(),
         "tf32_matmul": tf32_enabled(),  # float32 matmuls on TF32 tensor cores (study.model.precision.enable_tf32)
         "attention_kernels": attention_kernels(),

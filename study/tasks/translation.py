@@ -133,12 +133,14 @@ class TranslationModule(StudyModule):
             atomic_write_text(Path(run_dir) / "hypotheses" / f"{split}.{self.cfg.task.tgt_lang}", text)
 
     def training_loss(self, batch) -> tuple[torch.Tensor, int]:
-        logits = self.forward_model(batch["src"], batch["tgt_in"], batch["src_mask"])
-        labels = batch["labels"]
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
-            label_smoothing=self.cfg.train.label_smoothing,
-        )
+        labels, smoothing = batch["labels"], self.cfg.train.label_smoothing
+        if not self.cfg.train.compile:
+            # fused with the output projection: no (tokens, vocab) logits, log-probabilities or smoothing terms
+            loss = self.model.loss(batch["src"], batch["tgt_in"], labels, batch["src_mask"], IGNORE, smoothing)
+        else:  # inductor fuses the plain path itself
+            logits = self.forward_model(batch["src"], batch["tgt_in"], batch["src_mask"])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
+                                   label_smoothing=smoothing)
         return loss, (labels != IGNORE).sum()  # a tensor: read at logging steps (study.tasks.ledger)
 
     def validation_loss(self, batch) -> tuple[torch.Tensor, int]:
