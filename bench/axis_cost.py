@@ -17,6 +17,10 @@ that round's ratio (time of the value / time of the baseline), so machine noise 
 A third section times RMSNorm's kernels against LayerNorm (forward + backward, fp32 and bf16 autocast): today's
 `RMSNorm` (analytic backward), the plain formula it replaced, `F.rms_norm`, and `F.layer_norm`.
 
+A fourth (`--attention`, skipped on a CPU without native bf16) times bf16 attention forward + backward at shapes of
+the shipped experiments: SDPA as it is (its fused CPU kernel, bf16 backward), what `study.model.attention` runs (the
+same forward, its float32 backward below 256 keys), and SDPA in float32; ratios to SDPA in bf16.
+
     python bench/axis_cost.py                     # ~4-5 min on one AVX2 core; JSON to bench/results/
     python bench/axis_cost.py --rounds 3 --steps 1   # faster, noisier
     python bench/axis_cost.py --quick             # smoke test: 1 round, 1 step, nothing written
@@ -52,6 +56,10 @@ BATCH, SEQ, VOCAB = 16, 128, 65  # the default sweep: 16 x 128 characters of Tin
 BASE_YAML = ROOT / "experiments" / "ablation_base.yaml"
 WINDOWS = (None, 64, 32, 16)  # global first (the baseline), then local spans
 KERNEL_SHAPES = ((16, 128, 128), (8, 256, 512))
+# (B, nh, n_kv, T, causal): Multi30k's batches (64 pairs of ~20 tokens, padded), the throughput benchmark's 5M and
+# 20M Llama (32 x 128, GQA), the default sweep (16 x 128), longer contexts around the 256-key switch.
+ATTENTION_SHAPES = ((64, 4, 4, 20, False), (32, 4, 2, 128, True), (32, 8, 4, 128, True), (16, 4, 4, 128, True),
+                    (16, 8, 8, 255, True), (16, 8, 8, 256, True), (8, 8, 8, 512, True))
 
 
 def base_config():
@@ -158,12 +166,49 @@ def kernel_fns(shape: tuple[int, ...], autocast: bool) -> dict[str, Callable[[],
     return {name: run(fn) for name, fn in candidates.items()}
 
 
+def attention_fns(b: int, nh: int, nkv: int, t: int, causal: bool) -> dict[str, Callable[[], None]]:
+    """bf16 attention forward + backward, (B, nh, T, 64) queries: SDPA as it is, ours (`_sdpa`), SDPA in float32."""
+    from study.model.attention import _sdpa
+
+    torch.manual_seed(0)
+    q = torch.randn(b, nh, t, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, nkv, t, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dy = torch.randn(b, nh, t, 64, dtype=torch.bfloat16)
+    bias = None
+    if not causal:  # padding: the last 20% of keys hidden in every other row
+        bias = torch.zeros(b, 1, 1, t, dtype=torch.bfloat16)
+        bias[::2, ..., int(0.8 * t):] = -1e9
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    bias32 = None if bias is None else bias.float()
+    gqa = nh != nkv
+    candidates = {
+        "sdpa bf16 (as it is)": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal,
+                                                                       enable_gqa=gqa).backward(dy),
+        "ours": lambda: _sdpa(q, k, v, bias, causal, 0.0, nh // nkv).backward(dy),
+        "sdpa float32": lambda: F.scaled_dot_product_attention(q32, k32, v32, attn_mask=bias32, is_causal=causal,
+                                                               enable_gqa=gqa).backward(dy.float()),
+    }
+    return candidates
+
+
+def measure_attention(rounds: int, steps: int) -> dict:
+    results = {}
+    for shape in ATTENTION_SHAPES:
+        key = "B{} nh{} nkv{} T{} {}".format(*shape[:4], "causal" if shape[4] else "padding")
+        timed = time_alternating(attention_fns(*shape), rounds, 5 * steps)
+        print_table(f"bf16 attention, forward + backward, {key} (ratios to SDPA bf16)",
+                    {n: {"fwd+bwd": t} for n, t in timed.items()}, ("fwd+bwd",))
+        results[key] = timed
+    return results
+
+
 def machine(threads: int) -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                  platform.processor())
     flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
     return {"cpu": model, "avx512_bf16": "avx512_bf16" in flags.split(), "avx2": "avx2" in flags.split(),
+            "amx_bf16": "amx_bf16" in flags.split(),
             "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
 
 
@@ -203,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (median of per-round ratios)")
     parser.add_argument("--steps", type=int, default=2, help="timed training steps per contestant per round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a shared machine)")
-    parser.add_argument("--skip-axes", action="store_true", help="only the norm kernels")
+    parser.add_argument("--skip-axes", action="store_true", help="only the kernels (norms, and attention with --attention)")
+    parser.add_argument("--attention", action="store_true", help="also bf16 attention kernels (native bf16 only)")
     parser.add_argument("--quick", action="store_true", help="1 round of 1 step; writes nothing")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default bench/results/axis-cost-<date>.json)")
@@ -215,6 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     record = {"machine": info, "rounds": rounds, "steps": steps, "batch": [BATCH, SEQ], "vocab": VOCAB,
               "norm_kernels": measure_kernels(rounds, steps)}
+    if args.attention:
+        from study.model.precision import native_bf16
+
+        record["attention_kernels"] = (measure_attention(rounds, steps) if native_bf16("cpu")
+                                       else "skipped: this CPU emulates bf16")
     if not args.skip_axes:
         record["axes"] = measure_axes(rounds, steps)
     record["wall_s"] = round(time.perf_counter() - start, 1)

@@ -148,8 +148,10 @@ def share_kv_in_kernel(bias: torch.Tensor | None, device: torch.device) -> bool:
 # SDPA's fused CPU kernel (torch <= 2.13 at least) is fast forward in bf16/fp16 but slow backward at short lengths:
 # measured on a Xeon with AMX-BF16, 2 threads, forward + backward of (B, nh, T, hs) = (64, 4, 20, 64) took 12.4 ms in
 # bf16 against 2.7 ms with the same forward and the float32 backward, (32, 8, 128, 64) 55 against 27 ms; the two meet
-# at 256 keys (45 ms each) and bf16 wins beyond (384 keys: 37 against 42 ms). Below this many keys a half-precision
-# CPU training step keeps the kernel's forward and runs its backward in float32 (bench/axis_cost.py --attention).
+# at 256 keys (45 ms each) and bf16 wins beyond (384 keys: 37 against 42 ms). On a Zen 4 EPYC (AVX-512 BF16, no
+# AMX, 1 thread) the same holds: 17.9 against 5.7 ms at Multi30k's shape, 0.96x at 255 keys, parity from 256. Below
+# this many keys a half-precision CPU training step keeps the kernel's forward and runs its backward in float32
+# (bench/axis_cost.py --attention).
 _CPU_FLOAT32_BACKWARD_BELOW = 256
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _cpu_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)

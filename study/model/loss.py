@@ -182,7 +182,8 @@ def linear_cross_entropy(
     h2 = h.reshape(-1, h.shape[-1])
     t = targets.reshape(-1)
     compute_dtype = autocast_dtype(h.device.type) or torch.promote_types(h.dtype, weight.dtype)
-    if not torch.is_grad_enabled() or not (h2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    wants_grad = h2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if not (torch.is_grad_enabled() and wants_grad):  # evaluation: nothing to accumulate
         with torch.no_grad():
             b = None if bias is None else bias.to(compute_dtype)
             logits = F.linear(h2.to(compute_dtype), weight.to(compute_dtype), b)
