@@ -58,11 +58,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             any_ignored = bool(count < n) if reads_free else True
             safe_targets = targets.clamp(min=0) if any_ignored else targets
             loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty(n, h.shape[1], dtype=compute_dtype, device=h.device) if needs[0] else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if needs[1] else None
-            grad_b = None
-            if b is not None and needs[2]:
-                grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device)
+            grad_h, grad_w, grad_b = _gradient_buffers(h, weight, bias, needs, compute_dtype)
             smoothing = _Smoothing(label_smoothing, hc, w, b, valid) if label_smoothing else None
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
@@ -114,6 +110,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if not host_reads_are_free(grad_loss.device) or not bool(grad_loss == 1):
             grads = [None if g is None else g * grad_loss for g in grads]
         return grads[0], grads[1], grads[2], None, None, None, None, None
+
+
+def _gradient_buffers(h, weight, bias, needs, compute_dtype) -> tuple:
+    """Where the forward accumulates the gradients it will return (None for an input that needs none): h's rows in
+    the compute dtype, each written once; W's and b's sums over chunks in float32."""
+    grad_h = torch.empty(h.shape, dtype=compute_dtype, device=h.device) if needs[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if needs[1] else None
+    grad_b = None
+    if bias is not None and needs[2]:
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device)
+    return grad_h, grad_w, grad_b
 
 
 def _picked_log_probs(p: torch.Tensor, logits: torch.Tensor, t: torch.Tensor, reads_free: bool) -> torch.Tensor:
