@@ -51,6 +51,7 @@ from study.axes.norm import RMSNorm, rms_norm_reference  # noqa: E402
 from study.config.presets import preset  # noqa: E402
 from study.model.ffn import FeedForward  # noqa: E402
 from study.model.transformer import DecoderLM, Stack  # noqa: E402
+from study.run.environment import cpu_model  # noqa: E402
 
 BATCH, SEQ, VOCAB = 16, 128, 65  # the default sweep: 16 x 128 characters of Tiny Shakespeare (65 symbols)
 BASE_YAML = ROOT / "experiments" / "ablation_base.yaml"
@@ -204,10 +205,8 @@ def measure_attention(rounds: int, steps: int) -> dict:
 
 def machine(threads: int) -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
-                 platform.processor())
     flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    return {"cpu": model, "avx512_bf16": "avx512_bf16" in flags.split(), "avx2": "avx2" in flags.split(),
+    return {"cpu": cpu_model(), "avx512_bf16": "avx512_bf16" in flags.split(), "avx2": "avx2" in flags.split(),
             "amx_bf16": "amx_bf16" in flags.split(),
             "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
 
@@ -248,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (median of per-round ratios)")
     parser.add_argument("--steps", type=int, default=2, help="timed training steps per contestant per round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a shared machine)")
-    parser.add_argument("--skip-axes", action="store_true", help="only the kernels (norms, and attention with --attention)")
+    parser.add_argument("--skip-axes", action="store_true",
+                        help="only the kernels (norms, and attention with --attention)")
     parser.add_argument("--attention", action="store_true", help="also bf16 attention kernels (native bf16 only)")
     parser.add_argument("--quick", action="store_true", help="1 round of 1 step; writes nothing")
     parser.add_argument("--out", type=Path, default=None,

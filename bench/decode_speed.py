@@ -9,8 +9,8 @@ beam size, length penalty and length limits; float32, or with `--precision bf16`
 run decodes), once per contestant per round; the order of the two alternates each round so that machine noise lands
 on both. Every round checks that both return identical hypotheses (in bf16 a matmul's rounding may depend on how many
 rows it multiplies, and the new search drops finished sentences, so there the count of differing hypotheses and each
-side's BLEU are recorded instead). Reported: sentences/s and generated tokens/s (hypothesis tokens plus the EOS) per contestant from its
-median round, and the median over rounds of the per-round time ratio reference / new.
+side's BLEU are recorded instead). Reported: sentences/s and generated tokens/s (hypothesis tokens plus the EOS) per
+contestant from its median round, and the median over rounds of the per-round time ratio reference / new.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the frozen reference lives beside the
 from beam_search_reference import reference_beam_search  # noqa: E402
 
 from study.model.generate import beam_search  # noqa: E402
+from study.run.environment import cpu_model  # noqa: E402
 
 CONTESTANTS = {"reference": reference_beam_search, "new": beam_search}
 
@@ -98,13 +99,9 @@ def run_rounds(model, cfg, work, beam: int, rounds: int, exact: bool = True) -> 
 
 def machine(threads: int) -> dict:
     flags = ""
-    model_name = platform.processor()
     if Path("/proc/cpuinfo").exists():
-        info = Path("/proc/cpuinfo").read_text()
-        model_name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                           if line.startswith("model name")), model_name)
-        flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
-    return {"cpu": model_name, "cores": os.cpu_count(), "avx2": " avx2" in flags,
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "avx2": " avx2" in flags,
             "avx512f": " avx512f" in flags, "avx512_bf16": " avx512_bf16" in flags, "amx_bf16": " amx_bf16" in flags,
             "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
 
@@ -175,7 +172,8 @@ def main() -> int:
     print(f"speed-up new / reference: {record['speedup_median']:.2f}x (rounds: "
           f"{', '.join(f'{r:.2f}' for r in record['ratio_rounds'])}); {record['differing_hypotheses']} hypotheses "
           f"differ; BLEU {record['bleu']:.2f} (reference search {record['reference_bleu']:.2f})")
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode-speed-{record['date']}-{args.precision}.json"
+    default_out = ROOT / "bench" / "results" / f"decode-speed-{record['date']}-{args.precision}.json"
+    out = Path(args.out) if args.out else default_out
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"wrote {out}")
     return 0
