@@ -51,7 +51,7 @@ from study.axes.norm import RMSNorm, rms_norm_reference  # noqa: E402
 from study.config.presets import preset  # noqa: E402
 from study.model.ffn import FeedForward  # noqa: E402
 from study.model.transformer import DecoderLM, Stack  # noqa: E402
-from study.run.environment import cpu_model  # noqa: E402
+from study.run.environment import cpu_flags, cpu_model  # noqa: E402
 
 BATCH, SEQ, VOCAB = 16, 128, 65  # the default sweep: 16 x 128 characters of Tiny Shakespeare (65 symbols)
 BASE_YAML = ROOT / "experiments" / "ablation_base.yaml"
@@ -204,11 +204,7 @@ def measure_attention(rounds: int, steps: int) -> dict:
 
 
 def machine(threads: int) -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    return {"cpu": cpu_model(), "avx512_bf16": "avx512_bf16" in flags.split(), "avx2": "avx2" in flags.split(),
-            "amx_bf16": "amx_bf16" in flags.split(),
-            "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
+    return {"cpu": cpu_model(), **cpu_flags(), "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
 
 
 def print_table(title: str, rows: dict[str, dict], columns: tuple[str, ...]) -> None:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the frozen reference lives beside the
 from beam_search_reference import reference_beam_search  # noqa: E402
 
 from study.model.generate import beam_search  # noqa: E402
-from study.run.environment import cpu_model  # noqa: E402
+from study.run.environment import cpu_flags, cpu_model  # noqa: E402
 
 CONTESTANTS = {"reference": reference_beam_search, "new": beam_search}
 
@@ -98,12 +98,7 @@ def run_rounds(model, cfg, work, beam: int, rounds: int, exact: bool = True) -> 
 
 
 def machine(threads: int) -> dict:
-    flags = ""
-    if Path("/proc/cpuinfo").exists():
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "avx2": " avx2" in flags,
-            "avx512f": " avx512f" in flags, "avx512_bf16": " avx512_bf16" in flags, "amx_bf16": " amx_bf16" in flags,
-            "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), **cpu_flags(), "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
 
 
 def trained_model(run_dir: Path) -> dict:

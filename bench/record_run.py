@@ -52,15 +52,17 @@ def main() -> int:
         print(f"study run failed with exit code {proc.returncode}", file=sys.stderr)
         return proc.returncode
     metrics = json.loads((run_dir / "metrics.json").read_text())
+    environment = json.loads((run_dir / "env.json").read_text())
     record = {
         "label": label,
         "command": " ".join(["study", "run", args.config] + [f"--set {o}" for o in args.set]),
         "date": datetime.date.today().isoformat(),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": environment.get("cpu_model") or platform.processor() or platform.machine(),
+                    "cores": os.cpu_count(), "flags": environment.get("cpu_flags")},
         "end_to_end_wall_seconds": wall,
         "metrics": metrics,
         "config": yaml.safe_load((run_dir / "config.yaml").read_text()),
-        "environment": json.loads((run_dir / "env.json").read_text()),
+        "environment": environment,
     }
     out = ROOT / "bench" / "results" / f"run-{label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -93,11 +93,11 @@ def _fixed(rows: list[dict]) -> float:
 
 
 def _machine() -> dict:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "")
-    import torch
+    import torch  # here, not at the top: the benchmark times processes that import it, not its own start
 
-    return {"cpu": model or platform.processor(), "avx512_bf16": "avx512_bf16" in flags, "cores": os.cpu_count(),
+    from study.run.environment import cpu_flags, cpu_model
+
+    return {"cpu": cpu_model(), **cpu_flags(), "cores": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
             "load_average_at_start": os.getloadavg()[0]}
 

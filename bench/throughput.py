@@ -60,6 +60,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from study.run.environment import cpu_flags, cpu_model  # noqa: E402
+
 VOCAB, SEQ, BATCH = 8000, 128, 32
 SIZES = {"5M": dict(d=256, layers=4, heads=4, kv_heads=2), "20M": dict(d=512, layers=6, heads=8, kv_heads=4)}
 ARCHS = ("llama", "gpt2")
@@ -237,18 +239,8 @@ def machine_gemm(dtypes: list[str]) -> dict:
 
 
 def cpu_info() -> dict:
-    info = {"machine": platform.machine(), "processor": platform.processor()}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        for line in text.splitlines():
-            if line.startswith("model name"):
-                info["model"] = line.split(":", 1)[1].strip()
-                break
-        flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-        info["isa"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni") if f in flags]
-        info["logical_cpus"] = os.cpu_count()
-    except OSError:
-        pass
+    info = {"machine": platform.machine(), "processor": platform.processor(), "model": cpu_model(),
+            "isa": [flag for flag, present in cpu_flags().items() if present], "logical_cpus": os.cpu_count()}
     try:
         info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     except Exception:

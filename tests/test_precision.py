@@ -85,6 +85,18 @@ def test_a_run_records_what_auto_resolved_to(native, tmp_path, monkeypatch):
     assert run_experiment(cfg, tmp_path / "run", data_dir=tmp_path / "data", cache_dir=tmp_path / "cache") == m
 
 
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads Linux's /proc/cpuinfo")
+def test_a_run_names_the_cpu_kind_its_numbers_come_from():
+    """Speeds differ several-fold between the CPU kinds this project meets (AVX2 only, AVX-512 BF16, AMX), so env.json
+    names the CPU model and its instruction sets; the bf16 one agrees with torch's own check."""
+    from study.run.environment import CPU_FLAGS, snapshot
+
+    env = snapshot()
+    assert env["cpu_model"]
+    assert set(env["cpu_flags"]) == set(CPU_FLAGS)
+    assert env["cpu_flags"]["avx512_bf16"] == torch.cpu._is_avx512_bf16_supported()
+
+
 @pytest.fixture
 def clip_calls(monkeypatch):
     """Every call of torch.nn.utils.clip_grad_norm_: the gradient norm it found and the bound."""

@@ -42,6 +42,20 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+
+
+def cpu_flags() -> dict[str, bool]:
+    """Which of the instruction sets that decide this project's CPU speed the CPU has (/proc/cpuinfo; empty off
+    Linux): AVX2 only emulates bf16 (~100x slower), AVX-512 BF16 runs it natively, AMX-BF16 adds tile matmuls."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {flag: flag in flags for flag in CPU_FLAGS}
+
+
 def attention_kernels() -> dict[str, Any]:
     """Which SDPA kernels this process may use (GPU: flash / memory-efficient / math)."""
     if torch.cuda.is_available():
@@ -73,6 +87,7 @@ def snapshot(precision: str | None = None) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "precision": precision,
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # e.g. AVX2, AVX512
         "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
         "native_bf16": native_bf16(),
