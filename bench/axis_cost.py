@@ -204,7 +204,8 @@ def measure_attention(rounds: int, steps: int) -> dict:
 
 
 def machine(threads: int) -> dict:
-    return {"cpu": cpu_model(), **cpu_flags(), "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
+    return {"cpu": cpu_model(), **cpu_flags(), "threads": threads, "torch": torch.__version__,
+            "python": platform.python_version()}
 
 
 def print_table(title: str, rows: dict[str, dict], columns: tuple[str, ...]) -> None:

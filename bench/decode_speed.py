@@ -98,7 +98,8 @@ def run_rounds(model, cfg, work, beam: int, rounds: int, exact: bool = True) -> 
 
 
 def machine(threads: int) -> dict:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), **cpu_flags(), "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), **cpu_flags(), "threads": threads,
+            "torch": torch.__version__, "python": platform.python_version()}
 
 
 def trained_model(run_dir: Path) -> dict:
