@@ -15,7 +15,8 @@ contestants alternate a round at a time with the first one rotated, and the rati
 that round's ratio (time of the value / time of the baseline), so machine noise lands on all of them.
 
 A third section times RMSNorm's kernels against LayerNorm (forward + backward, fp32 and bf16 autocast): today's
-`RMSNorm` (analytic backward), the plain formula it replaced, `F.rms_norm`, and `F.layer_norm`.
+`RMSNorm` (its C++ CPU kernel, study/axes/kernels/rms_norm.cpp), its eager path (analytic backward), the plain
+formula it replaced, `F.rms_norm`, and `F.layer_norm`.
 
 A fourth (`--attention`, skipped on a CPU without native bf16) times bf16 attention forward + backward at shapes of
 the shipped experiments: SDPA as it is (its fused CPU kernel, bf16 backward), what `study.model.attention` runs (the
@@ -29,6 +30,7 @@ same forward, its float32 backward below 256 keys), and SDPA in float32; ratios 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import platform
@@ -142,29 +144,43 @@ def time_alternating(fns: dict[str, Callable[[], None]], rounds: int, steps: int
                 "round_ratios": [round(a / b, 4) for a, b in zip(s, base)]} for n, s in seconds.items()}
 
 
+@contextlib.contextmanager
+def eager_rmsnorm():
+    """RMSNormFunction on its eager path, forward and backward (what a GPU, torch.compile or a machine without a
+    compiler runs)."""
+    import study.axes.norm as norm_module
+
+    kernel, norm_module._cpu_kernel = norm_module._cpu_kernel, lambda x: None
+    try:
+        yield
+    finally:
+        norm_module._cpu_kernel = kernel
+
+
 def kernel_fns(shape: tuple[int, ...], autocast: bool) -> dict[str, Callable[[], None]]:
     """RMSNorm's candidate kernels and LayerNorm over the last dim of `shape`, forward + backward."""
     torch.manual_seed(0)
     d = shape[-1]
     x, dy = torch.randn(*shape, requires_grad=True), torch.randn(*shape)
-    ours = RMSNorm(d)
+    ours, layer_norm = RMSNorm(d), NORMS["layernorm"](d)  # both as the model calls them: modules
     weight = ours.weight
-    layer_norm_weight, layer_norm_bias = torch.ones(d, requires_grad=True), torch.zeros(d, requires_grad=True)
     candidates = {
-        "layernorm (F.layer_norm, fused)": lambda: F.layer_norm(x, (d,), layer_norm_weight, layer_norm_bias, 1e-5),
-        "rmsnorm (ours: analytic backward)": lambda: ours(x),
+        "layernorm (F.layer_norm, fused)": lambda: layer_norm(x),
+        "rmsnorm (ours: C++ kernel)": lambda: ours(x),
+        "rmsnorm (ours, eager: analytic backward)": lambda: ours(x),
         "rmsnorm (plain formula, before)": lambda: rms_norm_reference(x, weight, 1e-6),
         "rmsnorm (F.rms_norm)": lambda: F.rms_norm(x, (d,), weight, 1e-6),
     }
 
-    def run(fn):
+    def run(fn, eager: bool):
         def call():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                y = fn()
-            y.backward(dy)
+            with eager_rmsnorm() if eager else contextlib.nullcontext():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    y = fn()
+                y.backward(dy)
         return call
 
-    return {name: run(fn) for name, fn in candidates.items()}
+    return {name: run(fn, "eager" in name) for name, fn in candidates.items()}
 
 
 def attention_fns(b: int, nh: int, nkv: int, t: int, causal: bool) -> dict[str, Callable[[], None]]:

@@ -58,7 +58,8 @@ def main() -> int:
         "command": " ".join(["study", "run", args.config] + [f"--set {o}" for o in args.set]),
         "date": datetime.date.today().isoformat(),
         "machine": {"cpu": environment.get("cpu_model") or platform.processor() or platform.machine(),
-                    "cores": os.cpu_count(), "flags": environment.get("cpu_flags")},
+                    "cores": os.cpu_count(), "flags": environment.get("cpu_flags"),
+                    "device": environment.get("device")},  # the GPU's name where the run trained on one
         "end_to_end_wall_seconds": wall,
         "metrics": metrics,
         "config": yaml.safe_load((run_dir / "config.yaml").read_text()),

@@ -1,4 +1,4 @@
-"""Training-step throughput and peak memory of our decoders against Hugging Face, on CPU.
+"""Training-step throughput and peak memory of our decoders against Hugging Face, on a CPU or a CUDA GPU.
 
 One run measures, for each architecture (our `llama2` / `gpt2` presets against
 `LlamaForCausalLM` / `GPT2LMHeadModel` with attn_implementation="sdpa"), size (5M, 20M) and
@@ -33,7 +33,14 @@ output projection included, embedding lookups, biases and norms excluded); the a
 counts QK^T and AV over the keys a causal query sees. The same figure serves both
 implementations. It is shown beside this machine's square-GEMM rate measured in the same run.
 
+On a GPU (`--device cuda`): float32 runs with TF32 matmuls on both sides (what `precision: 32-true` trains with,
+`study.model.precision.enable_tf32`), a third size (110M, 12 layers of 768) joins the two, each round times 20 steps
+per contestant, each step is timed between two `torch.cuda.synchronize()` calls, and peak memory is
+`torch.cuda.max_memory_allocated()` over the steps minus what was allocated before them, in the same process (the
+caching allocator's own count, so no subprocess is needed). The GEMM rate is a square matmul at 4096 and 8192.
+
     python bench/throughput.py                  # full run (~10 min on 2 cores), JSON to bench/results/
+    python bench/throughput.py --device cuda    # the same contestants on the GPU (~3 min on an H200)
     python bench/throughput.py --quick          # smoke test
     python bench/throughput.py --sizes 5M --dtypes fp32 --archs llama
 """
@@ -63,7 +70,11 @@ if str(ROOT) not in sys.path:
 from study.run.environment import cpu_flags, cpu_model  # noqa: E402
 
 VOCAB, SEQ, BATCH = 8000, 128, 32
-SIZES = {"5M": dict(d=256, layers=4, heads=4, kv_heads=2), "20M": dict(d=512, layers=6, heads=8, kv_heads=4)}
+SIZES = {
+    "5M": dict(d=256, layers=4, heads=4, kv_heads=2),
+    "20M": dict(d=512, layers=6, heads=8, kv_heads=4),
+    "110M": dict(d=768, layers=12, heads=12, kv_heads=4),  # GPT-2 small's body; timed by default on a GPU only
+}
 ARCHS = ("llama", "gpt2")
 DTYPES = ("fp32", "bf16")
 IMPLS = ("ours", "ours-plain", "hf")
@@ -74,7 +85,8 @@ LOSS_PATHS = {
     "hf": "model(input_ids=x, labels=x).loss (ForCausalLMLoss: float upcast, shift, mean)",
     "compiled": "torch.compile(model), then F.cross_entropy on its logits (inductor fuses the loss)",
 }
-DEFAULT_STEPS = {"5M": 2, "20M": 1}  # timed steps per contestant per round: keeps the full run near 10 min
+DEFAULT_STEPS = {"5M": 2, "20M": 1, "110M": 1}  # timed steps per contestant per round: the CPU run near 10 min
+GPU_STEPS = 20  # a GPU step takes milliseconds: more steps per round, so each median is over enough of them
 
 
 # --- models ---------------------------------------------------------------------------------------
@@ -155,16 +167,28 @@ class Contestant:
         self.bf16 = bf16
         self.times: list[float] = []
 
-    def step(self, x: torch.Tensor, t: torch.Tensor) -> float:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+    def step(self, x: torch.Tensor, t: torch.Tensor) -> None:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             loss = self.loss_fn(x, t)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+
+    def timed_step(self, x: torch.Tensor, t: torch.Tensor) -> float:
+        """Seconds for one step, the device's queue drained before and after (a CPU runs synchronously)."""
+        synchronize(x.device)
+        t0 = time.perf_counter()
+        self.step(x, t)
+        synchronize(x.device)
+        return time.perf_counter() - t0
 
 
-def build_models(arch: str, size: str, impls: list[str]) -> tuple[dict, dict]:
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_models(arch: str, size: str, impls: list[str], device: torch.device) -> tuple[dict, dict]:
     """The Hugging Face model and our model(s), ours loaded with HF's initial weights."""
     from study.model import build_model
 
@@ -189,7 +213,7 @@ def build_models(arch: str, size: str, impls: list[str]) -> tuple[dict, dict]:
     ours_any = next((m for k, m in models.items() if k != "hf"), None) or build_model(cfg)
     info["params_ours"] = count_params(ours_any)
     info["params_match"] = info["params_ours"] == info["params_hf"]
-    return models, info
+    return {k: m.to(device) for k, m in models.items()}, info
 
 
 @torch.no_grad()
@@ -215,21 +239,28 @@ def equivalence(models: dict, x: torch.Tensor, t: torch.Tensor) -> dict:
 # --- machine --------------------------------------------------------------------------------------
 
 
-def gemm_rate(dtype: torch.dtype, n: int, reps: int = 3) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+def gemm_rate(dtype: torch.dtype, n: int, reps: int = 3, device: torch.device = torch.device("cpu")) -> float:
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     a @ b
     best = float("inf")
     for _ in range(reps):
+        synchronize(device)
         t0 = time.perf_counter()
         a @ b
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
 
 
-def machine_gemm(dtypes: list[str]) -> dict:
+def machine_gemm(dtypes: list[str], device: torch.device) -> dict:
     """Best square-GEMM GFLOP/s per dtype (fp32 at 1024 and 2048; bf16 the same unless the first,
-    small probe shows it emulated, in which case only 512 and 1024 are timed)."""
+    small probe shows it emulated, in which case only 512 and 1024 are timed). On a GPU: 4096 and 8192, fp32 with
+    TF32 when it is on, as the float32 training steps run."""
     out: dict = {}
+    if device.type == "cuda":
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            out[name] = {n: round(gemm_rate(dtype, n, reps=5, device=device), 1) for n in (4096, 8192)}
+        return out
     out["fp32"] = {n: round(gemm_rate(torch.float32, n), 1) for n in (1024, 2048)}
     # always timed (it decides whether bf16 runs); an emulated bf16 GEMM takes seconds at 1024
     probe = gemm_rate(torch.bfloat16, 512, reps=1)
@@ -300,7 +331,39 @@ def memory_probe(impl: str, arch: str, size: str, dtype: str, optimizer: str, st
     return {"base_rss_mb": base / mb, "peak_rss_mb": peak / mb, "step_peak_mb": (peak - base) / mb, "method": method}
 
 
+def cuda_memory_probe(impl: str, arch: str, size: str, dtype: str, optimizer: str, steps: int) -> dict:
+    """Peak bytes the caching allocator handed out over `steps` training steps, above what the model, optimizer and
+    batch held before them (the allocator's exact count: no subprocess needed on a GPU)."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    if impl == "hf":
+        model = hf_model(arch, size)
+    else:
+        from study.model import build_model
+
+        model = build_model(our_config(arch, size))
+    c = Contestant(impl, model.to(device), optimizer, bf16=dtype == "bf16")
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), device=device)
+    t = shifted_targets(x)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for _ in range(steps):
+        c.step(x, t)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del c, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    mb = 2**20
+    return {"base_rss_mb": base / mb, "peak_rss_mb": peak / mb, "step_peak_mb": (peak - base) / mb,
+            "method": "torch.cuda.max_memory_allocated over the steps minus memory_allocated before them"}
+
+
 def run_probe(impl: str, arch: str, size: str, dtype: str, args) -> dict:
+    if args.device == "cuda":
+        return cuda_memory_probe(impl, arch, size, dtype, args.optimizer, args.probe_steps)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_probe", f"{impl},{arch},{size},{dtype}",
            "--threads", str(args.threads), "--optimizer", args.optimizer, "--probe-steps", str(args.probe_steps)]
     t0 = time.perf_counter()
@@ -319,9 +382,10 @@ def measure(arch: str, size: str, dtype: str, args, gemm: dict) -> dict:
     from study.model.accounting import flops_per_token
 
     bf16 = dtype == "bf16"
-    models, info = build_models(arch, size, args.impls)
+    device = torch.device(args.device)
+    models, info = build_models(arch, size, args.impls, device)
     torch.manual_seed(1)
-    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+    x = torch.randint(0, VOCAB, (BATCH, SEQ)).to(device)
     t = shifted_targets(x)
     rec: dict = {"arch": arch, "size": size, "dtype": dtype, **info}
     if not bf16:
@@ -344,7 +408,7 @@ def measure(arch: str, size: str, dtype: str, args, gemm: dict) -> dict:
         for _ in range(args.warmup):
             c.step(x, t)
     n = len(contestants)
-    steps = args.steps or DEFAULT_STEPS[size]
+    steps = args.steps or (GPU_STEPS if device.type == "cuda" else DEFAULT_STEPS[size])
     rec["protocol"] = {
         "warmup_steps": args.warmup, "rounds": args.rounds, "steps_per_round": steps, "threads": args.threads
     }
@@ -355,9 +419,7 @@ def measure(arch: str, size: str, dtype: str, args, gemm: dict) -> dict:
         for c in order:
             ts = []
             for _ in range(steps):
-                t0 = time.perf_counter()
-                c.step(x, t)
-                ts.append(time.perf_counter() - t0)
+                ts.append(c.timed_step(x, t))
             c.times += ts
             this[c.impl] = statistics.median(ts)
         rounds.append(this)
@@ -441,11 +503,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="1 round of 1 step per contestant (smoke test)")
-    ap.add_argument("--sizes", default="5M,20M")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--sizes", default=None, help="default 5M,20M on a CPU, 5M,20M,110M on a GPU")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--archs", default="llama,gpt2")
     ap.add_argument("--impls", default=",".join(IMPLS), help="contestants, from " + ",".join(IMPLS))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=None, help="default 3 on a CPU, 5 on a GPU")
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps per contestant per round (default 2 at 5M, 1 at 20M)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -466,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(memory_probe(impl, arch, size, dtype, args.optimizer, args.probe_steps)))
         return 0
 
+    on_gpu = args.device == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device here")
+    args.sizes = args.sizes or ("5M,20M,110M" if on_gpu else "5M,20M")
+    args.rounds = args.rounds or (5 if on_gpu else 3)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 1, 1
     args.impls = [k.strip() for k in args.impls.split(",") if k.strip()]
@@ -493,10 +561,18 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_info(),
         "loadavg_start": load(),
         "hostname": platform.node(),
+        "device": args.device,
     }
+    if on_gpu:
+        from study.model.precision import enable_tf32
+
+        env["gpu"] = {"name": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+                      "cuda": torch.version.cuda, "tf32_matmul_for_fp32": enable_tf32("cuda")}
+        print(f"GPU {env['gpu']}", flush=True)
     print(f"torch {env['torch']}, transformers {env['transformers']}, {args.threads} threads, "
           f"CPU {env['cpu'].get('model', '?')} {env['cpu'].get('isa', '')}, load {env['loadavg_start']}", flush=True)
-    gemm = machine_gemm(dtypes)
+    device = torch.device(args.device)
+    gemm = machine_gemm(dtypes, device)
     print(f"square GEMM GFLOP/s: {gemm}", flush=True)
     bf16_native = max(gemm["bf16"].values()) >= 0.5 * max(gemm["fp32"].values())
     env["bf16_native_matmul"] = bf16_native
@@ -512,18 +588,21 @@ def main(argv: list[str] | None = None) -> int:
                     records.append({"arch": arch, "size": size, "dtype": dtype, "skipped": reason})
                     continue
                 records.append(measure(arch, size, dtype, args, gemm))
-    gemm_end = {"fp32": {2048: round(gemm_rate(torch.float32, 2048), 1)}}
+    n_end = 8192 if on_gpu else 2048
+    gemm_end = {"fp32": {n_end: round(gemm_rate(torch.float32, n_end, device=device), 1)}}
     env["loadavg_end"] = load()
     wall = time.perf_counter() - t_start
 
     print("\n" + table(records, gemm))
-    print(f"\ntok/s from the median step; ratios = median over rounds of per-round ratios; MB = peak RSS over the "
-          f"model+optimizer baseline in a fresh process ({args.probe_steps} steps); GFLOP/s from "
+    memory_note = ("peak CUDA allocation" if on_gpu else "peak RSS") + " over the model+optimizer baseline"
+    print(f"\ntok/s from the median step; ratios = median over rounds of per-round ratios; MB = {memory_note} "
+          f"({args.probe_steps} steps); GFLOP/s from "
           f"study.model.accounting.flops_per_token (6 x matmul weights + causal attention), % of the best square GEMM "
           f"of that dtype. Optimizer: {next((r['optimizer'] for r in records if 'optimizer' in r), '-')}. "
           f"Wall {wall / 60:.1f} min.", flush=True)
 
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"throughput-{now:%Y-%m-%d}.json"
+    suffix = "-" + torch.cuda.get_device_name().split()[-1].lower() if on_gpu else ""
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"throughput-{now:%Y-%m-%d}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "env": env,
@@ -532,9 +611,11 @@ def main(argv: list[str] | None = None) -> int:
         "gemm_gflops": {"start": gemm, "end": gemm_end},
         "flops_formula": "study.model.accounting.flops_per_token(cfg, T, training=True) = 3 * (2 * N_matmul + "
                          "4 * L * n_heads * head_dim * (T + 1) / 2) per token; tokens per step = B * T",
-        "memory_method": "fresh subprocess per contestant: RSS after building model + optimizer + batch, then the "
-                         "kernel high-water mark (VmHWM, reset via /proc/self/clear_refs) over the training steps; "
-                         "step_peak_mb = peak - base",
+        "memory_method": (
+            "torch.cuda.max_memory_allocated over the training steps minus memory_allocated before them" if on_gpu
+            else "fresh subprocess per contestant: RSS after building model + optimizer + batch, then the kernel "
+                 "high-water mark (VmHWM, reset via /proc/self/clear_refs) over the training steps; "
+                 "step_peak_mb = peak - base"),
         "records": records,
         "wall_s": wall,
     }

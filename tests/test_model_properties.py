@@ -281,15 +281,17 @@ def test_shared_kv_heads_give_the_same_attention_in_the_kernel_and_as_expanded_c
     q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     bias = torch.randn(2, 1, 5, 5)
     shared = attention._sdpa(q, k, v, bias, False, 0.0, 2)
-    monkeypatch.setattr(attention, "share_kv_in_kernel", lambda bias, device: False)
+    monkeypatch.setattr(attention, "share_kv_in_kernel", lambda bias, device, dtype: False)
     copies = attention._sdpa(q, k, v, bias, False, 0.0, 2)
     assert torch.allclose(shared, copies, atol=1e-6)
 
 
-def test_on_cuda_a_bias_means_expanded_kv_and_no_bias_means_the_kernel_shares_them():
+def test_on_cuda_a_bias_or_float32_means_expanded_kv_and_16_bit_without_bias_means_the_kernel_shares_them():
     from study.model.attention import _SDPA_HAS_GQA, share_kv_in_kernel
 
     cuda, cpu, bias = torch.device("cuda"), torch.device("cpu"), torch.zeros(1)
-    assert not share_kv_in_kernel(bias, cuda)  # flash takes no bias; memory-efficient takes no enable_gqa
-    assert share_kv_in_kernel(None, cuda) == _SDPA_HAS_GQA  # flash shares them itself
-    assert share_kv_in_kernel(bias, cpu) == _SDPA_HAS_GQA
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert not share_kv_in_kernel(bias, cuda, bf16)  # flash takes no bias; memory-efficient takes no enable_gqa
+    assert not share_kv_in_kernel(None, cuda, fp32)  # flash and cuDNN take 16-bit inputs only
+    assert share_kv_in_kernel(None, cuda, bf16) == _SDPA_HAS_GQA  # flash / cuDNN share them themselves
+    assert share_kv_in_kernel(bias, cpu, fp32) == _SDPA_HAS_GQA

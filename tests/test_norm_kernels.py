@@ -1,14 +1,37 @@
 """RMSNorm's fast path (`RMSNormFunction`, an analytic backward) computes the same function as the plain formula
-(`rms_norm_reference`, Hugging Face Llama's and T5's order), in value and in gradient, wherever the model calls it."""
+(`rms_norm_reference`, Hugging Face Llama's and T5's order), in value and in gradient, wherever the model calls it:
+through the C++ CPU kernel (study/axes/kernels/rms_norm.cpp) and through the eager path a GPU, torch.compile and a
+machine without a compiler take."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import study.axes.norm as norm_module
+from study.axes.cpu_kernels import cpu_ops
 from study.axes.norm import NORMS, RMSNorm, RMSNormFunction, rms_norm_reference
 
 FP32 = dict(atol=2e-6, rtol=2e-6)
+
+
+@pytest.fixture(autouse=True, params=["cpp", "eager"])
+def kernel_path(request, monkeypatch):
+    """Every test below runs once through the C++ kernel and once through the eager path."""
+    if request.param == "eager":
+        monkeypatch.setattr(norm_module, "_cpu_kernel", lambda x: None)
+    return request.param
+
+
+def test_on_a_cpu_the_compiled_kernel_is_built_and_runs(kernel_path):
+    if kernel_path == "eager":
+        pytest.skip("about the C++ path")
+    assert cpu_ops("rms_norm") is not None  # a machine that runs the suite has a compiler: the build must succeed
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        _norm(8)(x).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert {"study_rms_norm::forward", "study_rms_norm::backward"} <= names, names
 
 
 def assert_equal_to_float32_rounding(ours: torch.Tensor, ref: torch.Tensor) -> None:

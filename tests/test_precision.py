@@ -97,6 +97,29 @@ def test_a_run_names_the_cpu_kind_its_numbers_come_from():
     assert env["cpu_flags"]["avx512_bf16"] == torch.cpu._is_avx512_bf16_supported()
 
 
+def test_a_run_records_the_gpus_its_worker_gave_it(monkeypatch):
+    """A sweep worker hands each trial its own GPUs through CUDA_VISIBLE_DEVICES; env.json keeps which."""
+    from study.run.environment import snapshot
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert snapshot()["cuda_visible_devices"] == "2,3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert snapshot()["cuda_visible_devices"] is None
+
+
+def test_a_cpu_run_names_the_compiled_kernel_its_norm_runs(monkeypatch):
+    """RMSNorm declares a C++ CPU kernel; a CPU run builds it before training and env.json says which path ran."""
+    import study.axes.cpu_kernels as cpu_kernels_module
+    from study.config import preset
+    from study.run.environment import cpu_kernels
+
+    assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "c++"}
+    assert cpu_kernels(preset("gpt2"), "cpu") == {}  # LayerNorm: torch's own fused kernel
+    assert cpu_kernels(preset("llama2"), "gpu") == {}
+    monkeypatch.setattr(cpu_kernels_module, "_loaded", {"rms_norm": None})  # where it could not be built
+    assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "eager"}
+
+
 @pytest.fixture
 def clip_calls(monkeypatch):
     """Every call of torch.nn.utils.clip_grad_norm_: the gradient norm it found and the bound."""

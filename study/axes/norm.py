@@ -56,6 +56,8 @@ class RMSNorm(NormType):
     stream, with or without autocast) takes `RMSNormFunction`, about 3x faster forward + backward on CPU than the
     plain formula (bench/axis_cost.py)."""
 
+    cpu_kernel = "rms_norm"  # study/axes/kernels/rms_norm.cpp: built before a CPU run trains, named in env.json
+
     @staticmethod
     def num_parameters(dim: int, bias: bool) -> int:
         return dim
@@ -93,21 +95,31 @@ class RMSNormFunction(torch.autograd.Function):
 
     computed from q = dy x r (one product, one in-place pass): its sum over rows is dL/dg, one matrix-vector
     product q g gives r sum_j u x per row, and dL/dx takes one product and two in-place passes. Only x (kept alive
-    by autograd anyway) and r (one number per row) are saved. Equal to `rms_norm_reference` to float rounding (a
-    few float32 ulps of the largest entry: sums are accumulated in another order)."""
+    by autograd anyway) and r (one number per row) are saved. On a CPU in eager mode the same formulas run as one C++
+    kernel per direction (study/axes/kernels/rms_norm.cpp), each a single pass over a row's memory, the only way to
+    LayerNorm's speed there. Equal to `rms_norm_reference` to float rounding (a few float32 ulps of the largest
+    entry: sums are accumulated in another order)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):  # autocast would run the backward's mv in bf16
-            d = x.shape[-1]
-            rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
-            y = (x * rstd).mul_(weight)
+        kernel = _cpu_kernel(x)
+        if kernel is not None:  # (autocast leaves an op it has no rule for alone)
+            y, rstd = kernel.forward(x, weight, eps)
+        else:
+            with torch.autocast(x.device.type, enabled=False):  # autocast would run the backward's mv in bf16
+                d = x.shape[-1]
+                rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
+                y = (x * rstd).mul_(weight)
         ctx.save_for_backward(x, rstd, weight)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, rstd, weight = ctx.saved_tensors
+        kernel = _cpu_kernel(x)
+        if kernel is not None:
+            dx, d_weight = kernel.backward(dy, x, rstd, weight)
+            return dx, d_weight, None
         d = x.shape[-1]
         with torch.autocast(x.device.type, enabled=False):
             dy_xhat = (dy * x).mul_(rstd).reshape(-1, d)  # (rows, d): dy x r
@@ -115,6 +127,17 @@ class RMSNormFunction(torch.autograd.Function):
             k = torch.mv(dy_xhat, weight).view(rstd.shape).mul_(rstd).div_(-d)  # -r^2 mean(u x) per row
             dx = (x * k).addcmul_(dy, weight).mul_(rstd)
         return dx, d_weight, None
+
+
+def _cpu_kernel(x: torch.Tensor):
+    """The C++ RMSNorm (study/axes/kernels/rms_norm.cpp: one pass over each row per direction, the same formulas) for
+    a CPU tensor in eager mode, or None: on a GPU, under torch.compile (which traces the eager path) or where it
+    cannot be built."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    from study.axes.cpu_kernels import cpu_ops
+
+    return cpu_ops("rms_norm")
 
 
 @NORMS.register("scalenorm", "ScaleNorm: g * x / ||x||, one learned scalar (Nguyen & Salazar 2019)")

@@ -137,12 +137,15 @@ class KVCache:
         return sum(t.numel() * t.element_size() for s in (self.self_kv, self.cross_kv) for kv in s.values() for t in kv)
 
 
-def share_kv_in_kernel(bias: torch.Tensor | None, device: torch.device) -> bool:
+def share_kv_in_kernel(bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether SDPA should share K/V heads itself (`enable_gqa`) rather than be given expanded copies. On CUDA only
-    the flash and math kernels take `enable_gqa`, and flash takes no bias: with a bias (padding, window, ALiBi, T5)
-    GQA/MQA would fall to the math kernel, which materialises the (B, H, T, T) scores. There the copies are the
-    cheaper side, as they let the memory-efficient kernel run. The CPU's fused kernel takes both."""
-    return _SDPA_HAS_GQA and (bias is None or device.type == "cpu")
+    the flash, cuDNN and math kernels take `enable_gqa`; flash and cuDNN take 16-bit inputs only, and flash no bias:
+    with a bias (padding, window, ALiBi, T5) or in float32 GQA/MQA would fall to the math kernel, which materialises
+    the (B, H, T, T) scores (seen on an H200, tests/test_gpu.py). There the copies are the cheaper side, as they let
+    the memory-efficient kernel run. The CPU's fused kernel takes both."""
+    if device.type == "cpu":
+        return _SDPA_HAS_GQA
+    return _SDPA_HAS_GQA and bias is None and dtype in (torch.float16, torch.bfloat16)
 
 
 # SDPA's fused CPU kernel (torch <= 2.13 at least) is fast forward in bf16/fp16 but slow backward at short lengths:
@@ -200,7 +203,7 @@ def _sdpa(q, k, v, bias, is_causal, dropout_p, n_rep):
     if _float32_backward_pays(q, k, v, bias, dropout_p):
         return _CpuFlashFloat32Backward.apply(q, k, v, bias, is_causal)
     if n_rep > 1:
-        if share_kv_in_kernel(bias, q.device):
+        if share_kv_in_kernel(bias, q.device, q.dtype):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
             )

@@ -21,8 +21,9 @@ def git_state() -> dict[str, Any]:
     root = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5)
+        # --no-optional-locks: a status killed by the timeout would leave .git/index.lock behind, blocking git
+        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "dirty": None}
     if commit.returncode != 0:
@@ -68,6 +69,17 @@ def attention_kernels() -> dict[str, Any]:
                    "its forward, its float32 backward (study.model.attention)"}
 
 
+def cpu_kernels(model: Any, accelerator: str) -> dict[str, str]:
+    """Which C++ CPU kernel each axis value of `model` (a ModelConfig) that declares one runs: "c++", or "eager" where
+    it could not be built. Built here, before training, so that a first build's seconds are not timed as training."""
+    from study.axes import NORMS
+    from study.axes.cpu_kernels import cpu_ops
+
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    name = getattr(NORMS[model.norm], "cpu_kernel", None) if on_cpu else None
+    return {} if name is None else {name: "c++" if cpu_ops(name) is not None else "eager"}
+
+
 def snapshot(precision: str | None = None) -> dict[str, Any]:
     versions = {}
     for name in PACKAGES:
@@ -83,6 +95,7 @@ def snapshot(precision: str | None = None) -> dict[str, Any]:
         "packages": versions,
         "device": device,
         "cuda": torch.version.cuda,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # a sweep worker gives its GPUs this way
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "precision": precision,

@@ -108,12 +108,13 @@ def _prepare_data(cfg: ExperimentConfig, data_dir, cache_dir):
 def _write_inputs(run: RunDir, cfg: ExperimentConfig, dm) -> None:
     """config.yaml (what runs), env.json, data.json and the task's artifacts (e.g. its tokenizer), on rank zero:
     under DDP every rank runs this function and one writes the files."""
-    from study.run.environment import snapshot
+    from study.run.environment import cpu_kernels, snapshot
 
     if launch_rank() != 0:
         return
     atomic_write_text(run.config, cfg.to_yaml())
-    atomic_write_json(run.env, snapshot(cfg.train.precision))
+    kernels = cpu_kernels(cfg.model, cfg.train.accelerator)
+    atomic_write_json(run.env, snapshot(cfg.train.precision) | {"cpu_kernels": kernels})
     atomic_write_json(run.data, dm.fingerprint)
     if hasattr(dm, "save_artifacts"):
         dm.save_artifacts(run.path)

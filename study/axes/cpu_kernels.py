@@ -1,0 +1,63 @@
+"""C++ CPU kernels for axis values that eager PyTorch runs as composites, built on first use.
+
+Why by hand: an ablation must time every value at its best kernel, and torch (2.13) has no fused CPU RMSNorm, where
+LayerNorm gets one fused kernel each way (bench/README.md, "RMSNorm at its best kernel"); no maintained library ships
+one for CPU tensors (Apex, Liger and FlashAttention's norms are CUDA/Triton). `torch.utils.cpp_extension.load`
+compiles `kernels/*.cpp` once per machine into torch's extension cache (a file lock guards concurrent builds), with
+OpenMP threads sized to `torch.get_num_threads()` at each call, as TorchInductor's CPU kernels do.
+
+Where no compiler or ninja is found, or STUDY_CPU_KERNELS=0, the callers keep their eager path (the same function:
+tests/test_norm_kernels.py holds both to the plain formula) after one warning.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KERNELS = Path(__file__).with_name("kernels")
+_ISA_FLAGS = {  # what the build may assume: the capability torch itself dispatches to on this CPU
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+_loaded: dict[str, Any] = {}
+
+
+def _ninja_on_path() -> None:
+    """The `ninja` wheel installs its binary beside the interpreter, which need not be on PATH (an unactivated venv)."""
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build(name: str) -> Any:
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp", "-std=c++17"] + _ISA_FLAGS.get(capability, [])
+    cpp_extension.load(
+        name=f"study_{name}_{capability.lower()}", sources=[str(KERNELS / f"{name}.cpp")],
+        extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+    )
+    return getattr(torch.ops, f"study_{name}")
+
+
+def cpu_ops(name: str) -> Any | None:
+    """`torch.ops.study_<name>` built from kernels/<name>.cpp, or None where it cannot be built (warned once)."""
+    if name not in _loaded:
+        if os.environ.get("STUDY_CPU_KERNELS", "1") == "0":
+            _loaded[name] = None
+        else:
+            try:
+                _loaded[name] = _build(name)
+            except Exception as e:  # no compiler, no ninja, a failed build: the eager path computes the same
+                warnings.warn(f"study: the C++ CPU kernel {name!r} could not be built ({type(e).__name__}: "
+                              f"{str(e)[:300]}); using the eager PyTorch path", stacklevel=2)
+                _loaded[name] = None
+    return _loaded[name]
