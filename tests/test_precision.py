@@ -107,17 +107,19 @@ def test_a_run_records_the_gpus_its_worker_gave_it(monkeypatch):
     assert snapshot()["cuda_visible_devices"] is None
 
 
-def test_a_cpu_run_names_the_compiled_kernel_its_norm_runs(monkeypatch):
-    """RMSNorm declares a C++ CPU kernel; a CPU run builds it before training and env.json says which path ran."""
+def test_a_cpu_run_names_the_compiled_kernels_its_axis_values_run(monkeypatch):
+    """RMSNorm and RoPE declare C++ CPU kernels; a CPU run builds them before training and env.json says which path
+    each ran."""
     import study.axes.cpu_kernels as cpu_kernels_module
     from study.config import preset
     from study.run.environment import cpu_kernels
 
-    assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "c++"}
-    assert cpu_kernels(preset("gpt2"), "cpu") == {}  # LayerNorm: torch's own fused kernel
+    assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "c++", "rotary": "c++"}
+    assert cpu_kernels(preset("llama2", norm="layernorm", position="alibi"), "cpu") == {}
+    assert cpu_kernels(preset("gpt2"), "cpu") == {}  # LayerNorm, learned positions: torch's own kernels
     assert cpu_kernels(preset("llama2"), "gpu") == {}
-    monkeypatch.setattr(cpu_kernels_module, "_loaded", {"rms_norm": None})  # where it could not be built
-    assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "eager"}
+    monkeypatch.setattr(cpu_kernels_module, "_loaded", {"rms_norm": None, "rotary": None})  # could not be built
+    assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "eager", "rotary": "eager"}
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """C++ CPU kernels for axis values that eager PyTorch runs as composites, built on first use.
 
 Why by hand: an ablation must time every value at its best kernel, and torch (2.13) has no fused CPU RMSNorm, where
-LayerNorm gets one fused kernel each way (bench/README.md, "RMSNorm at its best kernel"); no maintained library ships
-one for CPU tensors (Apex, Liger and FlashAttention's norms are CUDA/Triton). `torch.utils.cpp_extension.load`
+LayerNorm gets one fused kernel each way (bench/README.md, "RMSNorm at its best kernel"), nor a fused CPU rotary
+embedding; no maintained library ships them for CPU tensors (Apex, Liger and FlashAttention's are CUDA/Triton). `torch.utils.cpp_extension.load`
 compiles `kernels/*.cpp` once per machine into torch's extension cache (a file lock guards concurrent builds), with
 OpenMP threads sized to `torch.get_num_threads()` at each call, as TorchInductor's CPU kernels do.
 

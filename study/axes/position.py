@@ -147,12 +147,49 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + d/2) of each head by position-dependent angles (the half-split
     layout used by GPT-NeoX and Hugging Face Llama; equivalent to Su et al.'s interleaved pairs
-    up to a fixed permutation of the head dimensions)."""
+    up to a fixed permutation of the head dimensions). x: (B, nh, T, hs), cos and sin: (T, hs)."""
+    if _rotary_kernel(x, cos, sin) is not None:
+        return RotaryFunction.apply(x, cos, sin)
+    return apply_rotary_reference(x, cos, sin)
+
+
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The eager formula: five element-wise kernels and a concatenation (a GPU, torch.compile, no compiler)."""
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+def _rotary_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The C++ rotation (study/axes/kernels/rotary.cpp: one pass, the same formula) for CPU tensors of the layout
+    attention passes in eager mode, or None."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    if x.dim() != 4 or x.stride(-1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        return None
+    from study.axes.cpu_kernels import cpu_ops
+
+    return cpu_ops("rotary")
+
+
+class RotaryFunction(torch.autograd.Function):
+    """`apply_rotary_reference` in one C++ pass each way; the backward applies the rotation's transpose (cos and
+    sin come from positions, not parameters: they take no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotary_kernel(x, cos, sin).rotate(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        from study.axes.cpu_kernels import cpu_ops
+
+        return cpu_ops("rotary").rotate(dy.contiguous(), cos, sin, True), None, None
 
 
 @POSITIONS.register("rope", "rotary position embedding on q and k (Su et al. 2021, RoFormer; Llama)")
 class RotaryPosition(PositionScheme):
+    cpu_kernel = "rotary"  # study/axes/kernels/rotary.cpp: built before a CPU run trains, named in env.json
     @staticmethod
     def num_parameters(cfg) -> int:
         return 0

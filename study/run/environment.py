@@ -72,12 +72,13 @@ def attention_kernels() -> dict[str, Any]:
 def cpu_kernels(model: Any, accelerator: str) -> dict[str, str]:
     """Which C++ CPU kernel each axis value of `model` (a ModelConfig) that declares one runs: "c++", or "eager" where
     it could not be built. Built here, before training, so that a first build's seconds are not timed as training."""
-    from study.axes import NORMS
+    from study.axes import NORMS, POSITIONS
     from study.axes.cpu_kernels import cpu_ops
 
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    name = getattr(NORMS[model.norm], "cpu_kernel", None) if on_cpu else None
-    return {} if name is None else {name: "c++" if cpu_ops(name) is not None else "eager"}
+    values = (NORMS[model.norm], POSITIONS[model.position]) if on_cpu else ()
+    names = [name for value in values if (name := getattr(value, "cpu_kernel", None)) is not None]
+    return {name: "c++" if cpu_ops(name) is not None else "eager" for name in names}
 
 
 def snapshot(precision: str | None = None) -> dict[str, Any]:

@@ -40,8 +40,9 @@ from typing import Any
 from study.sweep.trial import DEFAULT_RUNNER
 
 # What the default runner imports before training; a custom runner (the sweep tests' fakes) preloads its own module.
+# torch.utils.cpp_extension loads the axis values' CPU kernels (study/axes/cpu_kernels.py): 0.1 s a trial otherwise.
 HEAVY = ("torch", "lightning", "study.run", "study.tasks.lm", "study.tasks.translation", "study.tasks.glue",
-         "study.tasks.pretrain")
+         "study.tasks.pretrain", "torch.utils.cpp_extension")
 
 
 def preload(runner: str) -> None:
