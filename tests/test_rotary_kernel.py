@@ -96,7 +96,14 @@ def test_a_model_trains_the_same_through_the_kernel_and_the_eager_path(monkeypat
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-def test_other_layouts_take_the_eager_path():
-    x, (cos, sin) = torch.randn(5, 8), _angles(5, 8)
-    torch.testing.assert_close(apply_rotary(x, cos, sin), apply_rotary_reference(x, cos, sin))
-    assert position._rotary_kernel(x, cos, sin) is None
+def test_other_layouts_and_dtypes_take_the_eager_path():
+    cos, sin = _angles(5, 8)
+    others = [torch.randn(5, 8),  # not (B, H, T, D)
+              _heads(1, 2, 5, 8, dtype=torch.float16),  # no half-precision kernel but bf16
+              torch.randn(8, 5, 2, 1).permute(3, 2, 1, 0)]  # last dim not dense
+    for x in others:
+        assert position._rotary_kernel(x, cos, sin) is None
+        torch.testing.assert_close(apply_rotary(x, cos, sin), apply_rotary_reference(x, cos, sin))
+    x = _heads(2, 2, 5, 8)
+    per_row = (cos.expand(2, 5, 8), sin.expand(2, 5, 8))  # angles per batch row
+    assert position._rotary_kernel(x, *per_row) is None

@@ -163,7 +163,9 @@ def _rotary_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     attention passes in eager mode, or None."""
     if x.device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    if x.dim() != 4 or x.stride(-1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+    if x.dim() != 4 or x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        return None
+    if cos.shape != x.shape[-2:] or sin.shape != cos.shape or cos.dtype != torch.float32 or sin.dtype != cos.dtype:
         return None
     from study.axes.cpu_kernels import cpu_ops
 

@@ -34,8 +34,8 @@ void forward_rows(const T* x, const T* g, T* y, T* rstd, int64_t rows, int64_t d
 }
 
 // Rows are split into one contiguous block per thread. dg sums each block's rows in T over runs of kFlush rows (a
-// vectorised add per element), then adds each run's sum to a float64 total: as exact as a float64 sum over the
-// rows for float32 input, at a 32nd of its cost.
+// vectorised add per element), then adds each run's sum to a float64 total: close to a float64 sum over the rows,
+// at a 32nd of its float64 additions.
 constexpr int64_t kFlush = 32;
 
 template <typename T>
