@@ -301,15 +301,19 @@ def _hwm_bytes() -> int:
     raise OSError("no VmHWM")
 
 
-def memory_probe(impl: str, arch: str, size: str, dtype: str, optimizer: str, steps: int) -> dict:
+def probe_model(impl: str, arch: str, size: str):
+    """One contestant's model for a memory probe: the weights' values do not matter there, so no Hugging Face model
+    is built (or freed) beside ours."""
     torch.manual_seed(0)
     if impl == "hf":
-        model = hf_model(arch, size)
-    else:  # the weights' values do not matter here, so no Hugging Face model is built (or freed) beside ours
-        from study.model import build_model
+        return hf_model(arch, size)
+    from study.model import build_model
 
-        model = build_model(our_config(arch, size))
-    c = Contestant(impl, model, optimizer, bf16=dtype == "bf16")
+    return build_model(our_config(arch, size))
+
+
+def memory_probe(impl: str, arch: str, size: str, dtype: str, optimizer: str, steps: int) -> dict:
+    c = Contestant(impl, probe_model(impl, arch, size), optimizer, bf16=dtype == "bf16")
     torch.manual_seed(1)
     x = torch.randint(0, VOCAB, (BATCH, SEQ))
     t = shifted_targets(x)
@@ -335,14 +339,8 @@ def cuda_memory_probe(impl: str, arch: str, size: str, dtype: str, optimizer: st
     """Peak bytes the caching allocator handed out over `steps` training steps, above what the model, optimizer and
     batch held before them (the allocator's exact count: no subprocess needed on a GPU)."""
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    if impl == "hf":
-        model = hf_model(arch, size)
-    else:
-        from study.model import build_model
-
-        model = build_model(our_config(arch, size))
-    c = Contestant(impl, model.to(device), optimizer, bf16=dtype == "bf16")
+    model = probe_model(impl, arch, size).to(device)
+    c = Contestant(impl, model, optimizer, bf16=dtype == "bf16")
     x = torch.randint(0, VOCAB, (BATCH, SEQ), device=device)
     t = shifted_targets(x)
     gc.collect()

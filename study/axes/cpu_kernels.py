@@ -62,3 +62,10 @@ def cpu_ops(name: str) -> Any | None:
                               f"{str(e)[:300]}); using the eager PyTorch path", stacklevel=2)
                 _loaded[name] = None
     return _loaded[name]
+
+
+def eager_cpu_ops(name: str, x: torch.Tensor) -> Any | None:
+    """`cpu_ops(name)` for a CPU tensor outside torch.compile (which traces the eager path), else None."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return cpu_ops(name)

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import abc
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from study.axes.cpu_kernels import eager_cpu_ops
 from study.axes.registry import AxisRegistry
 
 
 class NormType(nn.Module, abc.ABC):
     """The contract of a `model.norm` value."""
+
+    #: The C++ CPU kernel this value runs (study/axes/kernels/<name>.cpp), built before a CPU run trains; None: none.
+    cpu_kernel: ClassVar[str | None] = None
 
     @staticmethod
     @abc.abstractmethod
@@ -56,7 +61,7 @@ class RMSNorm(NormType):
     stream, with or without autocast) takes `RMSNormFunction`, about 3x faster forward + backward on CPU than the
     plain formula (bench/axis_cost.py)."""
 
-    cpu_kernel = "rms_norm"  # study/axes/kernels/rms_norm.cpp: built before a CPU run trains, named in env.json
+    cpu_kernel = "rms_norm"
 
     @staticmethod
     def num_parameters(dim: int, bias: bool) -> int:
@@ -102,7 +107,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        kernel = _cpu_kernel(x)
+        ctx.kernel = kernel = _cpu_kernel(x)  # the backward takes the same path
         if kernel is not None:  # (autocast leaves an op it has no rule for alone)
             y, rstd = kernel.forward(x, weight, eps)
         else:
@@ -116,9 +121,8 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, rstd, weight = ctx.saved_tensors
-        kernel = _cpu_kernel(x)
-        if kernel is not None:
-            dx, d_weight = kernel.backward(dy, x, rstd, weight)
+        if ctx.kernel is not None:
+            dx, d_weight = ctx.kernel.backward(dy, x, rstd, weight)
             return dx, d_weight, None
         d = x.shape[-1]
         with torch.autocast(x.device.type, enabled=False):
@@ -133,11 +137,7 @@ def _cpu_kernel(x: torch.Tensor):
     """The C++ RMSNorm (study/axes/kernels/rms_norm.cpp: one pass over each row per direction, the same formulas) for
     a CPU tensor in eager mode, or None: on a GPU, under torch.compile (which traces the eager path) or where it
     cannot be built."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    from study.axes.cpu_kernels import cpu_ops
-
-    return cpu_ops("rms_norm")
+    return eager_cpu_ops("rms_norm", x)
 
 
 @NORMS.register("scalenorm", "ScaleNorm: g * x / ||x||, one learned scalar (Nguyen & Salazar 2019)")

@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from study.axes.cpu_kernels import cpu_ops, eager_cpu_ops
 from study.axes.registry import AxisRegistry
 
 
@@ -32,6 +33,8 @@ class PositionScheme(nn.Module, abc.ABC):
 
     #: False for schemes with a fixed table that cannot go past `max_seq_len`.
     extrapolates: ClassVar[bool] = True
+    #: The C++ CPU kernel this value runs (study/axes/kernels/<name>.cpp), built before a CPU run trains; None: none.
+    cpu_kernel: ClassVar[str | None] = None
 
     def __init__(self, cfg, causal: bool):
         super().__init__()
@@ -161,15 +164,11 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def _rotary_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """The C++ rotation (study/axes/kernels/rotary.cpp: one pass, the same formula) for CPU tensors of the layout
     attention passes in eager mode, or None."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
     if x.dim() != 4 or x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float64):
         return None
     if cos.shape != x.shape[-2:] or sin.shape != cos.shape or cos.dtype != torch.float32 or sin.dtype != cos.dtype:
         return None
-    from study.axes.cpu_kernels import cpu_ops
-
-    return cpu_ops("rotary")
+    return eager_cpu_ops("rotary", x)
 
 
 class RotaryFunction(torch.autograd.Function):
@@ -179,19 +178,18 @@ class RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotary_kernel(x, cos, sin).rotate(x, cos, sin, False)
+        return cpu_ops("rotary").rotate(x, cos, sin, False)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        from study.axes.cpu_kernels import cpu_ops
-
         return cpu_ops("rotary").rotate(dy.contiguous(), cos, sin, True), None, None
 
 
 @POSITIONS.register("rope", "rotary position embedding on q and k (Su et al. 2021, RoFormer; Llama)")
 class RotaryPosition(PositionScheme):
-    cpu_kernel = "rotary"  # study/axes/kernels/rotary.cpp: built before a CPU run trains, named in env.json
+    cpu_kernel = "rotary"
+
     @staticmethod
     def num_parameters(cfg) -> int:
         return 0

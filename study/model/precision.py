@@ -59,11 +59,15 @@ def tf32_enabled() -> bool:
     return bool(torch.cuda.is_available() and torch.backends.cuda.matmul.allow_tf32)
 
 
+def trains_on_cpu(accelerator: str) -> bool:
+    """Whether a run with this `train.accelerator` trains on the CPU (`auto` does where torch sees no CUDA device)."""
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+
+
 def resolve_precision(precision: str, accelerator: str = "auto") -> str:
     """The Lightning precision a run uses: `auto` becomes `bf16-mixed` where bf16 is native, else `32-true`; `16-mixed`
     on a CPU becomes `bf16-mixed`, which is what Lightning runs there (CPU autocast has no float16)."""
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if precision == "16-mixed" and on_cpu:
+    if precision == "16-mixed" and trains_on_cpu(accelerator):
         return "bf16-mixed"
     if precision != "auto":
         return precision

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from study.model.precision import native_bf16, tf32_enabled
+from study.model.precision import native_bf16, tf32_enabled, trains_on_cpu
 
 PACKAGES = ("torch", "lightning", "optuna", "tokenizers", "datasets", "sacrebleu", "transformers", "numpy", "pandas")
 
@@ -75,9 +75,8 @@ def cpu_kernels(model: Any, accelerator: str) -> dict[str, str]:
     from study.axes import NORMS, POSITIONS
     from study.axes.cpu_kernels import cpu_ops
 
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    values = (NORMS[model.norm], POSITIONS[model.position]) if on_cpu else ()
-    names = [name for value in values if (name := getattr(value, "cpu_kernel", None)) is not None]
+    values = (NORMS[model.norm], POSITIONS[model.position]) if trains_on_cpu(accelerator) else ()
+    names = [value.cpu_kernel for value in values if value.cpu_kernel is not None]
     return {name: "c++" if cpu_ops(name) is not None else "eager" for name in names}
 
 
