@@ -1,5 +1,6 @@
 """Beam-search decode throughput: the vectorised `study.model.generate.beam_search` against the per-sentence loop it
-replaced (`tests/beam_search_reference.py`, kept verbatim), on a trained Multi30k model and a real test set.
+replaced (`tests/beam_search_reference.py`, kept verbatim with the KV cache it ran on), on a trained Multi30k model
+and a real test set. Both run the same model code; what differs is the search and the cache.
 
     python bench/decode_speed.py --run runs/decode-speed-model             # 3 rounds, JSON to bench/results/
     python bench/decode_speed.py --run DIR --rounds 5 --threads 1 --quick  # --quick: the first 200 sentences

@@ -1,14 +1,70 @@
 """The beam search study/model/generate.py shipped before it was vectorised (issue 21), kept verbatim as the
 reference the new one must equal (tests/test_generate.py, bench/decode_speed.py): a Python loop over sentences and
-candidates with `.tolist()` each step, and finished sentences left in the batch to the end.
+candidates with `.tolist()` each step, and finished sentences left in the batch to the end; with it, the KVCache of
+study/model/attention.py of that time (each step concatenated the past with the new K/V, and a reorder copied every
+row's past), so that the decode benchmark measures against what shipped, not against today's cache.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from study.model.attention import KVCache
 from study.model.generate import _max_lengths, length_normalise
+
+
+@dataclass
+class KVCache:
+    """Keys and values of past positions for incremental decoding.
+
+    Stores `n_kv_heads` heads per layer, so MQA/GQA shrink it by n_heads / n_kv_heads.
+    Self-attention entries grow by one step per call, except in sliding-window layers, which
+    keep only the `window - 1` most recent positions (all a later query can see; Mistral's
+    rolling cache, Jiang et al. 2023), so their memory stops growing. Cross-attention entries
+    (the encoder memory projected once) are computed on the first decoding step.
+    """
+
+    self_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    seen: int = 0  # positions processed so far: the position of the next token
+
+    @property
+    def length(self) -> int:
+        return self.seen
+
+    def kept(self, window: int | None) -> int:
+        """How many past positions a layer with this window (None: global) holds now."""
+        return self.seen if window is None else min(self.seen, window - 1)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this step's keys/values; returns past + new for this step's attention, and stores
+        only the `keep` most recent positions when `keep` is set (a sliding-window layer)."""
+        if layer in self.self_kv:
+            past_k, past_v = self.self_kv[layer]
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        stored = (k, v) if keep is None else (k[:, :, k.shape[2] - min(keep, k.shape[2]):],
+                                              v[:, :, v.shape[2] - min(keep, v.shape[2]):])
+        self.self_kv[layer] = stored
+        return k, v
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows of both stores (beam search keeps the surviving hypotheses)."""
+        self.select_self(index)
+        self.select_cross(index)
+
+    def select_self(self, index: torch.Tensor) -> None:
+        """Select batch rows of the self-attention K/V (what depends on each hypothesis)."""
+        self.self_kv = {layer: (k.index_select(0, index), v.index_select(0, index))
+                        for layer, (k, v) in self.self_kv.items()}
+
+    def select_cross(self, index: torch.Tensor) -> None:
+        """Select batch rows of the cross-attention K/V (what depends only on the source sentence)."""
+        self.cross_kv = {layer: (k.index_select(0, index), v.index_select(0, index))
+                         for layer, (k, v) in self.cross_kv.items()}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in (self.self_kv, self.cross_kv) for kv in s.values() for t in kv)
 
 
 class _Decoder:

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import study.axes.cpu_kernels as cpu_kernels
 from study.axes import POSITIONS
 from study.config import ModelConfig
 from study.model import build_model
@@ -334,19 +335,21 @@ def test_sample_is_reproducible_with_a_generator_and_respects_top_k():
 
 @pytest.mark.parametrize("decode", ["greedy", "beam"])
 def test_the_measured_kv_cache_is_k_and_v_of_every_kept_position_and_shrinks_with_kv_heads(decode):
-    """`stats["kv_cache_bytes"]`, read off the cache's tensors, is K and V of n_kv_heads heads for every hypothesis,
-    every decoder layer and every position it holds (the tokens fed plus the encoder memory for cross-attention),
-    at the step where that is largest: greedy keeps every sentence to the end; beam search drops a sentence once it
-    is done (here: at its length limit, its step t = limit feeding the forced EOS's predecessor). With every output
-    run to its limit, MHA : GQA : MQA = 4 : 2 : 1 (Shazeer 2019; Ainslie et al. 2023)."""
+    """`stats["kv_cache_bytes"]`, read off the cache's tensors, is K and V of n_kv_heads heads for every decoder
+    layer and every position it holds: the tokens fed, for every hypothesis, and the encoder memory for
+    cross-attention, once per sentence (its k hypotheses share it), at the step where that is largest: greedy keeps
+    every sentence to the end; beam search drops a sentence once it is done (here: at its length limit, its step
+    t = limit feeding the forced EOS's predecessor). With every output run to its limit, MHA : GQA : MQA = 4 : 2 : 1
+    (Shazeer 2019; Ainslie et al. 2023)."""
     lengths = (5, 3, 7, 1)
     src, mask = batch(4, lengths=lengths)
     a, b, beam = 1.0, 2, (1 if decode == "greedy" else 3)
     limits = [int(a * n + b) for n in lengths]
     if decode == "greedy":
         rows_by_positions = len(lengths) * (max(limits) + 1 + src.shape[1])
-    else:  # after step t the cache holds t + 1 fed positions for each sentence whose limit is t or later
-        rows_by_positions = max(beam * sum(limit >= t for limit in limits) * (t + 1 + src.shape[1])
+    else:  # after step t the cache holds t + 1 fed positions of k hypotheses for each sentence whose limit is t or
+        # later, and that sentence's memory once
+        rows_by_positions = max(sum(limit >= t for limit in limits) * (beam * (t + 1) + src.shape[1])
                                 for t in range(max(limits) + 1))
     measured = {}
     for kv in (4, 2, 1):
@@ -388,7 +391,11 @@ def random_case(seed: int):
 
 
 @pytest.mark.parametrize("seed, use_cache", [(s, True) for s in range(12)] + [(s, False) for s in range(12, 16)])
-def test_beam_search_returns_what_the_per_sentence_loop_returned(seed, use_cache):
+@pytest.mark.parametrize("kernel", [True, False], ids=["c++", "eager"])
+def test_beam_search_returns_what_the_per_sentence_loop_returned(seed, use_cache, kernel, monkeypatch):
+    """Through the C++ candidate selection and through the eager log_softmax and top-k (tests/test_decode_kernels.py)."""
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "_loaded", {"log_softmax_topk": None})
     model, src, mask = random_case(seed)
     for k in (1, 2, 3, 5):
         for alpha in (0.0, 0.6, 1.0):
@@ -422,7 +429,8 @@ class RowCounter(EOSBias):
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_a_finished_sentence_leaves_the_batch(use_cache):
     """Every output runs to its limit (a * |src| + b = 7, 5, 9, 3); a sentence is fed at steps 0..limit (the last
-    one gives the forced EOS), so step t runs k rows for each sentence whose limit is t or later."""
+    one gives the forced EOS), so step t runs k rows for each sentence whose limit is t or later, except step 0: its
+    k beams would all be BOS, so it runs one row per sentence."""
     lengths, k = (5, 3, 7, 1), 3
     model = RowCounter(tiny_model(4), bias=-1e4)
     src, mask = batch(4, lengths=lengths)
@@ -430,4 +438,4 @@ def test_a_finished_sentence_leaves_the_batch(use_cache):
                       use_cache=use_cache)
     limits = [n + 2 for n in lengths]
     assert [len(h) for h in out] == limits
-    assert model.rows == [k * sum(limit >= t for limit in limits) for t in range(max(limits) + 1)]
+    assert model.rows == [len(lengths)] + [k * sum(limit >= t for limit in limits) for t in range(1, max(limits) + 1)]

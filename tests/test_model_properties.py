@@ -151,7 +151,7 @@ def test_cached_decoding_equals_the_full_forward(position, span, arch):
         step, cache = _incremental(model, x, src)
     torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
     for layer, span in enumerate(cfg.layer_spans()):
-        k, _ = cache.self_kv[layer]
+        k, _ = cache.held(layer)
         held = 11 if span == "global" else cfg.window - 1  # a sliding-window layer's rolling cache
         assert k.shape == (2, 2, held, cfg.resolved_head_dim)  # n_kv_heads heads are stored, not n_heads
 

@@ -1,4 +1,5 @@
-"""C++ CPU kernels for axis values that eager PyTorch runs as composites, built on first use.
+"""C++ CPU kernels for axis values that eager PyTorch runs as composites, and for beam search's candidate selection
+(study/model/generate.py), built on first use.
 
 Why by hand: an ablation must time every value at its best kernel, and torch (2.13) has no fused CPU RMSNorm, where
 LayerNorm gets one fused kernel each way (bench/README.md, "RMSNorm at its best kernel"), nor a fused CPU rotary
@@ -8,7 +9,8 @@ lock guards concurrent builds), with OpenMP threads sized to `torch.get_num_thre
 TorchInductor's CPU kernels do.
 
 Where no compiler or ninja is found, or STUDY_CPU_KERNELS=0, the callers keep their eager path after one warning: the
-same function (tests/test_norm_kernels.py and tests/test_rotary_kernel.py hold both paths to the eager formulas).
+same function (tests/test_norm_kernels.py, tests/test_rotary_kernel.py and tests/test_decode_kernels.py hold both paths
+to the eager formulas).
 """
 
 from __future__ import annotations

@@ -84,6 +84,64 @@ def attention_bias(
     return bias, False
 
 
+class _LayerKV:
+    """One layer's self-attention K and V in one time-major buffer `kv` (capacity, B, 2, nkv, hs) whose positions
+    [start, end) are held. Time-major so that appending a step writes in place (a concatenation copied the whole past
+    at every step) and beam search's reorder copies each held position once, as one row gather over (positions * B)
+    rows of K and V together into the leading positions of a fresh buffer."""
+
+    def __init__(self, kv: torch.Tensor, start: int = 0, end: int = 0):
+        self.kv, self.start, self.end = kv, start, end
+
+    @classmethod
+    def empty(cls, rows: int, heads: int, head_dim: int, capacity: int, like: torch.Tensor) -> "_LayerKV":
+        return cls(like.new_empty((capacity, rows, 2, heads, head_dim)))
+
+    @property
+    def held(self) -> int:
+        return self.end - self.start
+
+    def held_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held keys and values, (B, nkv, L, hs) views of the buffer."""
+        kv = self.kv[self.start : self.end]  # (L, B, 2, nkv, hs)
+        return kv[:, :, 0].permute(1, 2, 0, 3), kv[:, :, 1].permute(1, 2, 0, 3)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, keep: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new (B, nkv, T, hs) keys/values after the held ones; returns all of them (B, nkv, L, hs) as
+        views, then holds only the `keep` most recent (a sliding-window layer) when `keep` is set."""
+        t = k.shape[2]
+        if self.end + t > self.kv.shape[0]:  # full: move the held positions into a buffer twice their need
+            self._move(None, capacity=2 * (self.held + t))
+        self.kv[self.end : self.end + t, :, 0] = k.permute(2, 0, 1, 3)  # (T, B, nkv, hs)
+        self.kv[self.end : self.end + t, :, 1] = v.permute(2, 0, 1, 3)
+        self.end += t
+        seen = self.held_kv()  # (B, nkv, L, hs) each
+        if keep is not None:
+            self.start = max(self.start, self.end - keep)
+        return seen
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (beam search's surviving hypotheses): one copy of each held position."""
+        self._move(index, capacity=self.kv.shape[0])
+
+    def _move(self, index: torch.Tensor | None, capacity: int) -> None:
+        """Move the held positions (of rows `index`, or all) to the start of a fresh buffer of `capacity`."""
+        held, (_, rows, _, heads, head_dim) = self.held, self.kv.shape
+        new_rows = rows if index is None else index.numel()
+        moved = self.kv.new_empty((max(capacity, held + 1), new_rows, 2, heads, head_dim))
+        if index is None or held == 0:
+            moved[:held] = self.kv[self.start : self.end, :new_rows]
+        else:  # row p * rows + index[i] of the (positions * rows) source is row p * new_rows + i of the destination
+            rows_of = (torch.arange(held, device=index.device)[:, None] * rows + index[None, :]).view(-1)
+            source = self.kv[self.start : self.end].view(held * rows, -1)
+            torch.index_select(source, 0, rows_of, out=moved[:held].view(held * new_rows, -1))
+        self.kv, self.start, self.end = moved, 0, held
+
+    def nbytes(self) -> int:
+        """Bytes of the held positions (a buffer's spare capacity, at most as much again, is not counted)."""
+        return self.held * self.kv[0].numel() * self.kv.element_size()
+
+
 @dataclass
 class KVCache:
     """Keys and values of past positions for incremental decoding.
@@ -95,7 +153,7 @@ class KVCache:
     (the encoder memory projected once) are computed on the first decoding step.
     """
 
-    self_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    self_kv: dict[int, _LayerKV] = field(default_factory=dict)
     cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     seen: int = 0  # positions processed so far: the position of the next token
 
@@ -108,15 +166,16 @@ class KVCache:
         return self.seen if window is None else min(self.seen, window - 1)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add this step's keys/values; returns past + new for this step's attention, and stores
-        only the `keep` most recent positions when `keep` is set (a sliding-window layer)."""
-        if layer in self.self_kv:
-            past_k, past_v = self.self_kv[layer]
-            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        stored = (k, v) if keep is None else (k[:, :, k.shape[2] - min(keep, k.shape[2]):],
-                                              v[:, :, v.shape[2] - min(keep, v.shape[2]):])
-        self.self_kv[layer] = stored
-        return k, v
+        """Add this step's keys/values (B, nkv, T, hs); returns past + new (B, nkv, past + T, hs) for this step's
+        attention, and holds only the `keep` most recent positions when `keep` is set (a sliding-window layer)."""
+        if layer not in self.self_kv:
+            b, heads, t, head_dim = k.shape
+            self.self_kv[layer] = _LayerKV.empty(b, heads, head_dim, capacity=max(2 * t, 16), like=k)
+        return self.self_kv[layer].append(k, v, keep)
+
+    def held(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The self-attention keys and values `layer` holds, (B, nkv, L, hs) each."""
+        return self.self_kv[layer].held_kv()
 
     def reorder(self, index: torch.Tensor) -> None:
         """Select batch rows of both stores (beam search keeps the surviving hypotheses)."""
@@ -125,8 +184,8 @@ class KVCache:
 
     def select_self(self, index: torch.Tensor) -> None:
         """Select batch rows of the self-attention K/V (what depends on each hypothesis)."""
-        self.self_kv = {layer: (k.index_select(0, index), v.index_select(0, index))
-                        for layer, (k, v) in self.self_kv.items()}
+        for entry in self.self_kv.values():
+            entry.select(index)
 
     def select_cross(self, index: torch.Tensor) -> None:
         """Select batch rows of the cross-attention K/V (what depends only on the source sentence)."""
@@ -134,7 +193,9 @@ class KVCache:
                          for layer, (k, v) in self.cross_kv.items()}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in (self.self_kv, self.cross_kv) for kv in s.values() for t in kv)
+        """Bytes of the K/V held: every layer's held self-attention positions and its memory K/V."""
+        cross = sum(t.numel() * t.element_size() for kv in self.cross_kv.values() for t in kv)
+        return cross + sum(entry.nbytes() for entry in self.self_kv.values())
 
 
 def share_kv_in_kernel(bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> bool:
@@ -213,6 +274,23 @@ def _sdpa(q, k, v, bias, is_causal, dropout_p, n_rep):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=is_causal)
 
 
+def _group_by_memory_row(q: torch.Tensor, memory_rows: int, bias: torch.Tensor | None):
+    """Cross-attention queries (B, nh, T, hs) of B = g * Bm target rows against Bm memory rows, each memory row shared
+    by g consecutive target rows (beam search's g hypotheses of one sentence): one memory row's queries become
+    (Bm, nh, g*T, hs), so its K/V are projected and stored once, not g times, and one SDPA call block serves g
+    hypotheses. The bias (Bm, 1, T, S) depends on the key alone (source padding), so its first query row serves
+    all. With g = 1 (training, greedy decoding) nothing changes."""
+    b, nh, t, hs = q.shape
+    if b == memory_rows:
+        return q, bias
+    if b % memory_rows:
+        raise ValueError(f"{b} target rows cannot share {memory_rows} memory rows: each memory row serves the same "
+                         "number of consecutive target rows")
+    g = b // memory_rows
+    q = q.view(memory_rows, g, nh, t, hs).transpose(1, 2).reshape(memory_rows, nh, g * t, hs)
+    return q, None if bias is None else bias[:, :, :1]
+
+
 class Attention(nn.Module):
     """Multi-head attention with n_kv_heads K/V heads; `cross=True` attends to a memory."""
 
@@ -251,14 +329,16 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         if self.cross:
             q = self._heads(self.q_proj(x), self.n_heads)  # (B, nh, T, hs)
-            k, v = self._memory_kv(memory, cache)  # (B, nkv, S, hs) each
+            k, v = self._memory_kv(memory, cache)  # (Bm, nkv, S, hs) each
+            q, bias = _group_by_memory_row(q, k.shape[0], bias)  # (Bm, nh, g*T, hs); g = B / Bm
         else:
             q, k, v = self._self_qkv(x, rotary, cache)  # (B, nh, T, hs), (B, nkv, Tk, hs), (B, nkv, Tk, hs)
         if bias is not None and bias.dtype != q.dtype:
             bias = bias.to(q.dtype)
         dropout_p = self.dropout_p if self.training else 0.0
-        out = _sdpa(q, k, v, bias, is_causal, dropout_p, self.n_heads // self.n_kv_heads)  # (B, nh, T, hs)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, d)
+        out = _sdpa(q, k, v, bias, is_causal, dropout_p, self.n_heads // self.n_kv_heads)  # (B|Bm, nh, g*T, hs)
+        out = out.view(out.shape[0], self.n_heads, -1, t, self.head_dim).permute(0, 2, 3, 1, 4)  # (Bm, g, T, nh, hs)
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))  # (B, T, d)
 
     def _self_qkv(self, x: torch.Tensor, rotary, cache: KVCache | None):
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim

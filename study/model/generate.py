@@ -8,11 +8,27 @@ tests compare the cached path against).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from study.axes import POSITIONS
+from study.axes.cpu_kernels import eager_cpu_ops
 from study.model.attention import KVCache
 from study.model.transformer import DecoderLM, EncoderDecoderLM
+
+
+def _decoding(search):
+    """Run `search` without autograd and outside inference mode, which Lightning's evaluation loops enter: there
+    autocast does not cache its casts of the weights, so a bf16 decode cast every weight again at every step (about
+    a tenth of a Multi30k decode step on a Xeon with AMX)."""
+
+    @functools.wraps(search)
+    def run(*args, **kwargs):
+        with torch.inference_mode(False), torch.no_grad():
+            return search(*args, **kwargs)
+
+    return run
 
 
 class _Decoder:
@@ -24,27 +40,27 @@ class _Decoder:
         self.peak_cache_bytes = 0  # beam search drops finished sentences, so the cache is largest mid-way
 
     def step(self, prefix: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of the next token after `prefix` (rows, t)."""
+        """Logits of the next token after `prefix` (rows, t): (rows, V) in the model's compute dtype."""
         tokens = prefix[:, -1:] if self.cache is not None else prefix
         logits = self.model.decode(tokens, self.memory, self.memory_mask, cache=self.cache)[:, -1]
         if self.cache is not None:
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache.nbytes())
-        return torch.log_softmax(logits.float(), dim=-1)
+        return logits
 
-    def reorder(self, index: torch.Tensor, sentence_rows: torch.Tensor | None) -> None:
+    def reorder(self, index: torch.Tensor, sentences: torch.Tensor | None) -> None:
         """Keep rows `index` of what depends on each hypothesis (its self-attention K/V). What depends only on the
-        source (memory, mask, cross-attention K/V) is the same in the k rows of a sentence, so it need not follow
-        the beams: it keeps `sentence_rows` (the rows of the sentences still searching, in place), or all rows
-        when None. Half of the bytes beam search moved each step were these copies."""
+        source (memory, mask, cross-attention K/V) has one row per sentence, shared by its k hypotheses (the model's
+        cross-attention groups them), so it need not follow the beams: it keeps the rows `sentences` (those still
+        searching, in place), or all when None."""
         if self.cache is not None:
             self.cache.select_self(index)
-        if sentence_rows is None:
+        if sentences is None:
             return
-        self.memory = self.memory.index_select(0, sentence_rows)
+        self.memory = self.memory.index_select(0, sentences)
         if self.memory_mask is not None:
-            self.memory_mask = self.memory_mask.index_select(0, sentence_rows)
+            self.memory_mask = self.memory_mask.index_select(0, sentences)
         if self.cache is not None:
-            self.cache.select_cross(sentence_rows)
+            self.cache.select_cross(sentences)
 
 
 def _max_lengths(model, src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:
@@ -65,6 +81,7 @@ def _note_cache(dec: _Decoder, stats: dict | None) -> None:
         stats["kv_cache_bytes"] = max(stats.get("kv_cache_bytes", 0), dec.peak_cache_bytes)
 
 
+@_decoding
 def greedy_decode(
     model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, max_len_a: float = 1.2, max_len_b: int = 10,
     use_cache: bool = True, stats: dict | None = None,
@@ -95,7 +112,7 @@ def length_normalise(score: float, length: int, alpha: float) -> float:
     return score / (((5 + length) / 6) ** alpha) if alpha else score
 
 
-@torch.no_grad()
+@_decoding
 def beam_search(
     model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, beam_size: int = 5, length_penalty: float = 1.0,
     max_len_a: float = 1.2, max_len_b: int = 10, use_cache: bool = True, stats: dict | None = None,
@@ -112,16 +129,13 @@ def beam_search(
     n, k = src.shape[0], beam_size
     max_len = _max_lengths(model, src_mask, src, max_len_a, max_len_b)  # (n,)
     steps = int(max_len.max()) + 1  # one extra step for the EOS
-    rows = torch.arange(n, device=src.device).repeat_interleave(k)  # (n*k,) the sentence of each hypothesis
-    memory = model.encode(src, src_mask)  # (n, S, d)
-    dec = _Decoder(model, memory.index_select(0, rows), None if src_mask is None else src_mask.index_select(0, rows),
-                   use_cache)
+    dec = _Decoder(model, model.encode(src, src_mask), src_mask, use_cache)  # memory (n, S, d): one row a sentence
     beams = _Beams.start(n, k, bos, max_len)
     finished = _Finished(n, k, steps, eos, length_penalty, src.device)
     for t in range(steps):
         at_limit = t >= beams.max_len  # (m,) m: the sentences still searching
-        logp = _only_eos_at_limit(dec.step(beams.prefix), at_limit.repeat_interleave(k), eos)  # (m*k, V)
-        searching = beams.advance(logp, finished, at_limit, t, eos)
+        best = _top_log_probs(dec.step(beams.prefix), 2 * k, at_limit.repeat_interleave(k), eos)  # (m*k, 2k) x 2
+        searching = beams.advance(*best, finished, at_limit, t, eos)
         if searching is None:
             break
         dec.reorder(*searching)
@@ -129,48 +143,64 @@ def beam_search(
     return finished.best()
 
 
-def _only_eos_at_limit(logp: torch.Tensor, at_limit: torch.Tensor, eos: int) -> torch.Tensor:
-    """Hypotheses at their length limit may only end now: every token but EOS gets -inf."""
+def _top_log_probs(logits: torch.Tensor, k: int, at_limit: torch.Tensor, eos: int):
+    """Each row's k most probable next tokens: log-probabilities (rows, k) float32 in descending order and token ids
+    (rows, k). A hypothesis at its length limit may only end now: its row holds EOS alone (the rest -inf). A
+    sentence's k best candidates are among the k best of each of its beams, so beam search adds the beam scores to
+    these (sentences, beams * k) values only, not to all (sentences, beams * V). On CPU one C++ pass over the logits computes them
+    (study/axes/kernels/log_softmax_topk.cpp: log_softmax's formula, its sum in another order)."""
+    k = min(k, logits.shape[-1])
+    ops = eager_cpu_ops("log_softmax_topk", logits)
+    if ops is not None:
+        values, tokens, row_max, row_logsum = ops.forward(logits, k)
+        eos_logp = (logits[:, eos].float() - row_max) - row_logsum
+    else:
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (rows, V)
+        values, tokens = logp.topk(k, dim=-1)
+        eos_logp = logp[:, eos]
     if not bool(at_limit.any()):
-        return logp
-    only_eos = torch.full_like(logp, float("-inf"))
-    only_eos[:, eos] = logp[:, eos]
-    return torch.where(at_limit[:, None], only_eos, logp)
+        return values, tokens
+    only_eos = torch.full_like(values, float("-inf"))
+    only_eos[:, 0] = eos_logp
+    return (torch.where(at_limit[:, None], only_eos, values),
+            torch.where(at_limit[:, None], torch.full_like(tokens, eos), tokens))
 
 
 class _Beams:
-    """The k live hypotheses of each sentence still searching: m sentences, rows m*k in sentence order."""
+    """The live hypotheses of each sentence still searching: m sentences, b beams each (one at the first step, as
+    all k would be the same BOS; then k), rows m*b in sentence order."""
 
-    def __init__(self, sentence, scores, prefix, max_len):
+    def __init__(self, k: int, sentence, scores, prefix, max_len):
+        self.k = k  # the beam size
         self.sentence = sentence  # (m,) index of each searching sentence in the batch given to beam_search
-        self.scores = scores  # (m, k) summed log-probs: float32, never bf16 (bf16-true)
-        self.prefix = prefix  # (m*k, t + 1) BOS and the tokens so far
+        self.scores = scores  # (m, b) summed log-probs: float32, never bf16 (bf16-true)
+        self.prefix = prefix  # (m*b, t + 1) BOS and the tokens so far
         self.max_len = max_len  # (m,)
 
     @classmethod
     def start(cls, n: int, k: int, bos: int, max_len: torch.Tensor) -> "_Beams":
         device = max_len.device
-        scores = torch.zeros(n, k, device=device, dtype=torch.float32)
-        scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
-        prefix = torch.full((n * k, 1), bos, dtype=torch.long, device=device)
-        return cls(torch.arange(n, device=device), scores, prefix, max_len)
+        scores = torch.zeros(n, 1, device=device, dtype=torch.float32)
+        prefix = torch.full((n, 1), bos, dtype=torch.long, device=device)
+        return cls(k, torch.arange(n, device=device), scores, prefix, max_len)
 
-    def advance(self, logp, finished: "_Finished", at_limit, t: int, eos: int):
+    def advance(self, logp, token_ids, finished: "_Finished", at_limit, t: int, eos: int):
         """One step of fairseq's rule on each sentence's 2k best candidates: an EOS among the k best finishes a
         hypothesis (until the sentence holds k); the first k other candidates continue. A sentence with k finished
         hypotheses, at its length limit, or with no candidate left is done and leaves the batch. Returns the
-        decoder rows each new hypothesis continues (m'*k,) and the rows of the sentences kept, in place (None when
-        all are), for _Decoder.reorder; None when every sentence is done."""
-        m, k = self.scores.shape
-        vocab = logp.shape[-1]
-        cand = (self.scores[:, :, None] + logp.view(m, k, vocab)).view(m, k * vocab)
-        top_scores, top_ids = cand.topk(2 * k, dim=1)  # (m, 2k): 2k so k survive even if k end in EOS
-        rows = torch.arange(m, device=cand.device)[:, None] * k + top_ids // vocab  # (m, 2k) rows of self.prefix
-        tokens = top_ids % vocab  # (m, 2k)
+        decoder rows each new hypothesis continues (m'*k,) and the sentences kept (m',), in place (None when all
+        are), for _Decoder.reorder; None when every sentence is done."""
+        (m, beams), k = self.scores.shape, self.k
+        per_beam = logp.shape[-1]  # each beam's best next tokens: logp, token_ids (m*b, per_beam)
+        cand = (self.scores[:, :, None] + logp.view(m, beams, per_beam)).view(m, beams * per_beam)
+        # 2k so that k survive even if k end in EOS (fewer only where the vocabulary is smaller than 2k)
+        top_scores, top_ids = cand.topk(min(2 * k, cand.shape[1]), dim=1)  # (m, 2k)
+        rows = torch.arange(m, device=cand.device)[:, None] * beams + top_ids // per_beam  # (m, 2k) rows of prefix
+        tokens = token_ids.view(m, beams * per_beam).gather(1, top_ids)  # (m, 2k)
         # the old loop stopped at the first -inf candidate; topk sorts, so those are a suffix
         valid = top_scores > float("-inf")
         is_eos = tokens == eos
-        ending = valid & is_eos & (torch.arange(2 * k, device=cand.device) < k)
+        ending = valid & is_eos & (torch.arange(top_ids.shape[1], device=cand.device) < k)
         finished.add(self.sentence, ending, top_scores, self.prefix, rows, t)
         going_on = valid & ~is_eos
         kept = going_on & (going_on.cumsum(1) <= k)  # the first k candidates that do not end
@@ -186,9 +216,7 @@ class _Beams:
                                  tokens.gather(1, order).index_select(0, stay).view(-1, 1)], dim=1)
         self.scores, self.sentence = scores.index_select(0, stay), self.sentence.index_select(0, stay)
         self.max_len = self.max_len.index_select(0, stay)
-        if stay.numel() == m:
-            return index, None
-        return index, (stay[:, None] * k + torch.arange(k, device=stay.device)).view(-1)
+        return index, (None if stay.numel() == m else stay)
 
 
 class _Finished:

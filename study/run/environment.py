@@ -70,13 +70,17 @@ def attention_kernels() -> dict[str, Any]:
 
 
 def cpu_kernels(model: Any, accelerator: str) -> dict[str, str]:
-    """Which C++ CPU kernel each axis value of `model` (a ModelConfig) that declares one runs: "c++", or "eager" where
-    it could not be built. Built here, before training, so that a first build's seconds are not timed as training."""
+    """Which C++ CPU kernel each axis value of `model` (a ModelConfig) that declares one runs, and beam search's
+    (encoder-decoders): "c++", or "eager" where it could not be built. Built here, before training, so that a first
+    build's seconds are not timed as training or decoding."""
     from study.axes import NORMS, POSITIONS
     from study.axes.cpu_kernels import cpu_ops
 
-    values = (NORMS[model.norm], POSITIONS[model.position]) if trains_on_cpu(accelerator) else ()
-    names = [value.cpu_kernel for value in values if value.cpu_kernel is not None]
+    if not trains_on_cpu(accelerator):
+        return {}
+    names = [value.cpu_kernel for value in (NORMS[model.norm], POSITIONS[model.position]) if value.cpu_kernel]
+    if model.arch == "encoder-decoder":
+        names.append("log_softmax_topk")  # study.model.generate's candidate selection
     return {name: "c++" if cpu_ops(name) is not None else "eager" for name in names}
 
 

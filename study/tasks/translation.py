@@ -39,7 +39,8 @@ class Translation(TaskFamily):
                    description="wall time of beam-search decoding of the test set (a measured cost)"),
         MetricSpec("test_sets.*.kv_cache_peak_bytes", "minimize", "bytes", "-", objective=False, cost=True,
                    description="the most bytes the KV cache held while a batch of 100 sentences was beam-searched "
-                               "(self- and cross-attention K/V, measured from the cache's tensors)"),
+                               "(each hypothesis's self-attention K/V and each sentence's cross-attention K/V, shared "
+                               "by its hypotheses; measured from the cache's tensors)"),
         MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False),
     )
     default_objective = "bleu"
