@@ -404,6 +404,15 @@ def test_beam_search_returns_what_the_per_sentence_loop_returned(seed, use_cache
             assert beam_search(model, src, mask, **kw) == reference_beam_search(model, src, mask, **kw), kw
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_length_limit_of_zero_ends_every_sentence_at_the_first_step(use_cache):
+    """At step 0 each sentence runs one row (its beams would all be BOS): the limit applies to that row."""
+    model, src, mask = random_case(3)
+    kw = dict(bos=BOS, eos=EOS, beam_size=4, max_len_a=0.0, max_len_b=0, use_cache=use_cache)
+    out = beam_search(model, src, mask, **kw)
+    assert out == [[] for _ in range(src.shape[0])] == reference_beam_search(model, src, mask, **kw)
+
+
 @pytest.mark.parametrize("table, default", [(GREEDY_TRAP, {EOS: 1.0}), (SHORT_OR_LONG, KEEP_GOING)])
 def test_beam_search_equals_the_loop_on_the_hand_made_tables(table, default):
     src, mask = table_src(3)

@@ -1,4 +1,4 @@
-"""RoPE's C++ CPU rotation (`RotaryFunction`, study/axes/kernels/rotary.cpp) computes the eager formula
+"""RoPE's C++ CPU rotation (`rotary_cpu`, study/axes/kernels/rotary.cpp) computes the eager formula
 (`apply_rotary_reference`), in value and in gradient, for the tensors attention passes it: float32, bf16 (q and k
 under autocast) and float64, strided as the head split leaves them; the eager path stays for the rest."""
 
@@ -9,7 +9,7 @@ import torch
 
 import study.axes.position as position
 from study.axes.cpu_kernels import cpu_ops
-from study.axes.position import RotaryFunction, apply_rotary, apply_rotary_reference
+from study.axes.position import apply_rotary, apply_rotary_reference, rotary_cpu
 from study.config import preset
 from study.model import build_model
 
@@ -37,7 +37,7 @@ def test_the_kernel_is_built_on_a_cpu_and_attention_calls_it():
     model = build_model(preset("llama2", vocab_size=50, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2))
     with torch.profiler.profile() as prof:
         model(torch.randint(0, 50, (2, 7))).sum().backward()
-    assert "study_rotary::rotate" in {e.key for e in prof.key_averages()}
+    assert "study_rotary::rotary" in {e.key for e in prof.key_averages()}
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 16, 32), (3, 2, 5, 6), (1, 1, 1, 2)])
@@ -46,7 +46,7 @@ def test_float32_equals_the_eager_formula_in_value_and_gradient(shape):
     x, cos_sin = _heads(b, h, t, d), _angles(t, d, offset=3)
     assert not x.is_contiguous() or b * h * t == 1
     dy = torch.randn(b, h, t, d)
-    ours = _value_and_grad(RotaryFunction.apply, x, *cos_sin, dy)
+    ours = _value_and_grad(rotary_cpu, x, *cos_sin, dy)
     eager = _value_and_grad(apply_rotary_reference, x, *cos_sin, dy)
     for got, want in zip(ours, eager):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
@@ -57,7 +57,7 @@ def test_bf16_input_is_computed_in_float32_and_rounded_once():
     rounds its two gradient terms separately, so the two paths may differ by an ulp."""
     x, (cos, sin) = _heads(2, 4, 9, 16, dtype=torch.bfloat16), _angles(9, 16)
     dy = torch.randn(2, 4, 9, 16).to(torch.bfloat16)
-    ours = _value_and_grad(RotaryFunction.apply, x, cos, sin, dy)
+    ours = _value_and_grad(rotary_cpu, x, cos, sin, dy)
     exact = _value_and_grad(apply_rotary_reference, x.double(), cos.double(), sin.double(), dy.double())
     eager = _value_and_grad(apply_rotary_reference, x, cos, sin, dy)
     for got, want, other in zip(ours, exact, eager):
@@ -69,14 +69,14 @@ def test_bf16_input_is_computed_in_float32_and_rounded_once():
 def test_gradients_are_exact_in_float64():
     x = _heads(2, 2, 3, 4, dtype=torch.float64).detach().requires_grad_()
     cos, sin = _angles(3, 4)
-    assert torch.autograd.gradcheck(lambda x: RotaryFunction.apply(x, cos, sin), (x,))
+    assert torch.autograd.gradcheck(lambda x: rotary_cpu(x, cos, sin), (x,))
 
 
 def test_the_transpose_holds_for_any_cos_and_sin():
     """The backward is the rotation's transpose for arbitrary (T, D) tables, not only RoPE's repeated halves."""
     x = _heads(1, 2, 4, 6, dtype=torch.float64).detach().requires_grad_()
     cos, sin = torch.randn(4, 6), torch.randn(4, 6)
-    assert torch.autograd.gradcheck(lambda x: RotaryFunction.apply(x, cos, sin), (x,))
+    assert torch.autograd.gradcheck(lambda x: rotary_cpu(x, cos, sin), (x,))
 
 
 def test_a_model_trains_the_same_through_the_kernel_and_the_eager_path(monkeypatch):

@@ -75,8 +75,17 @@ class RMSNorm(NormType):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
-            return RMSNormFunction.apply(x, self.weight, self.eps)  # training's case, autocast or not
+            return rms_norm(x, self.weight, self.eps)  # training's case, autocast or not
         return rms_norm_reference(x, self.weight, self.eps)  # half-precision tensors: round as Llama and T5 do
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's fast path for float32/float64 x and weight: on a CPU in eager mode the C++ kernel with its autograd
+    node in C++ (study/axes/kernels/rms_norm.cpp), elsewhere `RMSNormFunction`'s analytic backward in eager ops."""
+    kernel = _cpu_kernel(x)
+    if kernel is not None:  # (autocast leaves an op it has no rule for alone)
+        return kernel.rms_norm(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,30 +109,23 @@ class RMSNormFunction(torch.autograd.Function):
 
     computed from q = dy x r (one product, one in-place pass): its sum over rows is dL/dg, one matrix-vector
     product q g gives r sum_j u x per row, and dL/dx takes one product and two in-place passes. Only x (kept alive
-    by autograd anyway) and r (one number per row) are saved. On a CPU in eager mode the same formulas run as one C++
-    kernel per direction (study/axes/kernels/rms_norm.cpp), each a single pass over a row's memory, the only way to
-    LayerNorm's speed there. Equal to `rms_norm_reference` to float rounding (a few float32 ulps of the largest
-    entry: sums are accumulated in another order)."""
+    by autograd anyway) and r (one number per row) are saved. On a CPU in eager mode `rms_norm` runs the same
+    formulas as one C++ kernel per direction instead (study/axes/kernels/rms_norm.cpp), each a single pass over a
+    row's memory, the only way to LayerNorm's speed there. Equal to `rms_norm_reference` to float rounding (a few
+    float32 ulps of the largest entry: sums are accumulated in another order)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.kernel = kernel = _cpu_kernel(x)  # the backward takes the same path
-        if kernel is not None:  # (autocast leaves an op it has no rule for alone)
-            y, rstd = kernel.forward(x, weight, eps)
-        else:
-            with torch.autocast(x.device.type, enabled=False):  # autocast would run the backward's mv in bf16
-                d = x.shape[-1]
-                rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
-                y = (x * rstd).mul_(weight)
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run the backward's mv in bf16
+            d = x.shape[-1]
+            rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
+            y = (x * rstd).mul_(weight)
         ctx.save_for_backward(x, rstd, weight)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, rstd, weight = ctx.saved_tensors
-        if ctx.kernel is not None:
-            dx, d_weight = ctx.kernel.backward(dy, x, rstd, weight)
-            return dx, d_weight, None
         d = x.shape[-1]
         with torch.autocast(x.device.type, enabled=False):
             dy_xhat = (dy * x).mul_(rstd).reshape(-1, d)  # (rows, d): dy x r

@@ -151,8 +151,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate pairs (i, i + d/2) of each head by position-dependent angles (the half-split
     layout used by GPT-NeoX and Hugging Face Llama; equivalent to Su et al.'s interleaved pairs
     up to a fixed permutation of the head dimensions). x: (B, nh, T, hs), cos and sin: (T, hs)."""
-    if _rotary_kernel(x, cos, sin) is not None:
-        return RotaryFunction.apply(x, cos, sin)
+    kernel = _rotary_kernel(x, cos, sin)
+    if kernel is not None:
+        return rotary_cpu(x, cos, sin, kernel)
     return apply_rotary_reference(x, cos, sin)
 
 
@@ -171,19 +172,11 @@ def _rotary_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return eager_cpu_ops("rotary", x)
 
 
-class RotaryFunction(torch.autograd.Function):
-    """`apply_rotary_reference` in one C++ pass each way; the backward applies the rotation's transpose (cos and
-    sin come from positions, not parameters: they take no gradient)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return cpu_ops("rotary").rotate(x, cos, sin, False)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return cpu_ops("rotary").rotate(dy.contiguous(), cos, sin, True), None, None
+def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel=None) -> torch.Tensor:
+    """`apply_rotary_reference` in one C++ pass each way (study/axes/kernels/rotary.cpp), its autograd node in C++:
+    the backward applies the rotation's transpose (cos and sin come from positions, not parameters: they take no
+    gradient)."""
+    return (kernel or cpu_ops("rotary")).rotary(x, cos, sin)
 
 
 @POSITIONS.register("rope", "rotary position embedding on q and k (Su et al. 2021, RoFormer; Llama)")

@@ -134,7 +134,8 @@ def beam_search(
     finished = _Finished(n, k, steps, eos, length_penalty, src.device)
     for t in range(steps):
         at_limit = t >= beams.max_len  # (m,) m: the sentences still searching
-        best = _top_log_probs(dec.step(beams.prefix), 2 * k, at_limit.repeat_interleave(k), eos)  # (m*k, 2k) x 2
+        rows_at_limit = at_limit.repeat_interleave(beams.scores.shape[1])  # (m*b,) b beams a sentence
+        best = _top_log_probs(dec.step(beams.prefix), 2 * k, rows_at_limit, eos)  # (m*b, 2k) x 2
         searching = beams.advance(*best, finished, at_limit, t, eos)
         if searching is None:
             break
@@ -147,8 +148,8 @@ def _top_log_probs(logits: torch.Tensor, k: int, at_limit: torch.Tensor, eos: in
     """Each row's k most probable next tokens: log-probabilities (rows, k) float32 in descending order and token ids
     (rows, k). A hypothesis at its length limit may only end now: its row holds EOS alone (the rest -inf). A
     sentence's k best candidates are among the k best of each of its beams, so beam search adds the beam scores to
-    these (sentences, beams * k) values only, not to all (sentences, beams * V). On CPU one C++ pass over the logits computes them
-    (study/axes/kernels/log_softmax_topk.cpp: log_softmax's formula, its sum in another order)."""
+    these (sentences, beams * k) values only, not to all (sentences, beams * V). On CPU one C++ pass over the logits
+    computes them (study/axes/kernels/log_softmax_topk.cpp: log_softmax's formula, its sum in another order)."""
     k = min(k, logits.shape[-1])
     ops = eager_cpu_ops("log_softmax_topk", logits)
     if ops is not None:

@@ -1,13 +1,15 @@
 // RMSNorm forward and backward for CPU tensors (float32, float64), one pass over each row's memory per direction
 // (Zhang & Sennrich 2019). Eager PyTorch has no fused CPU RMSNorm (`F.rms_norm` is a composite of five element-wise
 // kernels there); LayerNorm's CPU kernel is fused, so without this an ablation would time our composite, not the
-// idea. Built on first use by study/axes/cpu_kernels.py; study/axes/norm.py's RMSNormFunction calls it.
+// idea. Built on first use by study/axes/cpu_kernels.py; study/axes/norm.py's `rms_norm` calls `rms_norm`, whose
+// autograd node (below) runs the two directions.
 //
 // With r = (mean(x^2) + eps)^(-1/2) per row:  y = (x r) g,
 //   dx = (x k + dy g) r  with  k = -r^2 mean(g dy x),   dg = sum over rows of dy x r.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -116,9 +118,41 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy_, cons
   return {dx, dweight};
 }
 
+// The autograd node in C++, as LayerNorm's is: a Python autograd.Function costs about as much in calls per direction
+// as the kernel itself at the default sweep's sizes on one thread (bench/axis_cost.py).
+class RMSNormNode : public torch::autograd::Function<RMSNormNode> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            double eps) {
+    auto [y, rstd] = rms_norm_forward(x, weight, eps);
+    ctx->save_for_backward({x, rstd, weight});
+    return y;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, dweight] = rms_norm_backward(grads[0], saved[0], saved[1], saved[2]);
+    return {dx, dweight, at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return RMSNormNode::apply(x, weight, eps);
+}
+
+at::Tensor rms_norm_no_grad(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(rms_norm_forward(x, weight, eps));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(study_rms_norm, m) {
   m.def("forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", &rms_norm_forward);
   m.def("backward(Tensor dy, Tensor x, Tensor rstd, Tensor weight) -> (Tensor, Tensor)", &rms_norm_backward);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");  // y, differentiable in x and weight
 }
+
+TORCH_LIBRARY_IMPL(study_rms_norm, Autograd, m) { m.impl("rms_norm", &rms_norm_autograd); }
+
+TORCH_LIBRARY_IMPL(study_rms_norm, CPU, m) { m.impl("rms_norm", &rms_norm_no_grad); }

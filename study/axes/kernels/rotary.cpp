@@ -3,7 +3,8 @@
 // the backward. Eager PyTorch runs this as five element-wise kernels and a concatenation, each a pass over q or k,
 // which made RoPE's training step 15-18% slower than the other position schemes' on a 2-core CPU
 // (bench/axis_cost.py): an ablation would time our code, not the idea. Built on first use by
-// study/axes/cpu_kernels.py; study/axes/position.py's RotaryFunction calls it.
+// study/axes/cpu_kernels.py; study/axes/position.py's `rotary_cpu` calls `rotary`, whose autograd node (below)
+// runs both directions.
 //
 // x: (B, H, T, D) with a contiguous last dimension (any other strides); cos, sin: (T, D) float32. The result is
 // contiguous, in x's dtype, computed in float32 (float64 for float64 x) as the eager formula is under autocast.
@@ -11,6 +12,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 namespace {
@@ -59,8 +61,39 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos_, const at::Tensor&
   return out;
 }
 
+// The autograd node in C++ (as RMSNorm's): a Python autograd.Function's calls cost a visible share of a small
+// model's step, twice per layer each way.
+class RotaryNode : public torch::autograd::Function<RotaryNode> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return rotate(x, cos, sin, false);
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor dy = grads[0].stride(3) == 1 ? grads[0] : grads[0].contiguous();
+    return {rotate(dy, saved[0], saved[1], true), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor rotary_autograd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return RotaryNode::apply(x, cos, sin);
+}
+
+at::Tensor rotary_no_grad(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rotate(x, cos, sin, false);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(study_rotary, m) {
   m.def("rotate(Tensor x, Tensor cos, Tensor sin, bool transpose) -> Tensor", &rotate);
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");  // rotate(x), differentiable in x
 }
+
+TORCH_LIBRARY_IMPL(study_rotary, Autograd, m) { m.impl("rotary", &rotary_autograd); }
+
+TORCH_LIBRARY_IMPL(study_rotary, CPU, m) { m.impl("rotary", &rotary_no_grad); }
