@@ -244,3 +244,26 @@ def test_bf16_training_on_the_gpu_matches_a_float32_reference_loss():
     loss.backward()
     assert abs(loss.item() - reference) < 2e-2 * reference
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 1])
+def test_beam_search_on_the_gpu_returns_the_cpu_hypotheses(n_kv_heads):
+    """The decode path's GPU pieces (the time-major KV cache's in-place appends and row gathers, cross-attention with
+    one memory row per sentence, the eager candidate selection) return the hypotheses the CPU path returns, in
+    float32 with TF32 off; wide weights keep logits far from ties."""
+    from study.model.generate import beam_search
+
+    torch.manual_seed(0)
+    cfg = preset("vaswani", **SMALL, n_layers=2, n_encoder_layers=2, n_kv_heads=n_kv_heads, init_std=0.15)
+    model = build_model(cfg).eval()
+    src = torch.randint(3, VOCAB, (6, 9))
+    src[2, 5:] = 0
+    kw = dict(bos=1, eos=2, beam_size=4, max_len_a=1.0, max_len_b=4)
+    cpu = beam_search(model, src, src != 0, **kw)
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        gpu = beam_search(model.cuda(), src.cuda(), (src != 0).cuda(), **kw)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+    assert gpu == cpu
