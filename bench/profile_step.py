@@ -76,7 +76,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     impls = args.impls.split(",")
-    models, _ = tp.build_models(args.arch, args.size, impls)
+    models, _ = tp.build_models(args.arch, args.size, impls, torch.device("cpu"))  # the CPU step (GPU: no profile)
     x = torch.randint(0, tp.VOCAB, (tp.BATCH, tp.SEQ))
     t = tp.shifted_targets(x)
     record = {"arch": args.arch, "size": args.size, "dtype": args.dtype, "threads": args.threads,
