@@ -84,7 +84,8 @@ class ListCache:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         seen = self.k, self.v
         if keep is not None:
-            self.k, self.v = self.k[:, :, max(0, self.k.shape[2] - keep):], self.v[:, :, max(0, self.v.shape[2] - keep):]
+            first = max(0, self.k.shape[2] - keep)
+            self.k, self.v = self.k[:, :, first:], self.v[:, :, first:]
         return seen
 
     def select(self, index):

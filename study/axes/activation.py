@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from study.axes.cpu_kernels import eager_cpu_ops
 from study.axes.registry import AxisRegistry
 
 
@@ -32,12 +33,23 @@ class Activation(abc.ABC):
     """The contract of a `model.activation` value."""
 
     gated: ClassVar[bool]  # a gated linear unit: the input projection is twice as wide
+    #: The C++ CPU kernel this value runs (study/axes/kernels/<name>.cpp), built before a CPU run trains; None: none.
+    cpu_kernel: ClassVar[str | None] = None
     required_attributes = ("gated",)
 
     @staticmethod
     @abc.abstractmethod
     def fn(x: torch.Tensor) -> torch.Tensor:
         """The elementwise function (of the gate, for a gated unit)."""
+
+    @classmethod
+    def apply(cls, h: torch.Tensor) -> torch.Tensor:
+        """The FFN's hidden activation from its input projection h: fn(h), or fn(gate) * up for a gated unit, whose
+        h (..., 2 d_ff) holds [gate; up]."""
+        if cls.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return cls.fn(gate) * up
+        return cls.fn(h)
 
     @classmethod
     def num_parameters(cls, cfg) -> int:
@@ -84,8 +96,18 @@ class SiLU(Activation):
 
 @ACTIVATIONS.register("swiglu", "SiLU-gated linear unit (Shazeer 2020; Llama)")
 class SwiGLU(Activation):
+    """On a CPU in eager mode, silu(gate) * up runs as one C++ pass each way (study/axes/kernels/swiglu.cpp): the
+    eager chunk, silu, product and the backward's concatenation took 2.7x its time (Llama 20M's FFN, bench/README.md),
+    which an activation ablation would otherwise report as SwiGLU's cost."""
+
     gated = True
     fn = staticmethod(F.silu)
+    cpu_kernel = "swiglu"
+
+    @classmethod
+    def apply(cls, h: torch.Tensor) -> torch.Tensor:
+        kernel = eager_cpu_ops("swiglu", h) if h.dtype in (torch.float32, torch.bfloat16, torch.float64) else None
+        return kernel.swiglu(h) if kernel is not None else super().apply(h)
 
 
 @ACTIVATIONS.register("geglu", "GELU-gated linear unit (Shazeer 2020; T5 v1.1)")

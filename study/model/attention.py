@@ -165,7 +165,9 @@ class KVCache:
         """How many past positions a layer with this window (None: global) holds now."""
         return self.seen if window is None else min(self.seen, window - 1)
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this step's keys/values (B, nkv, T, hs); returns past + new (B, nkv, past + T, hs) for this step's
         attention, and holds only the `keep` most recent positions when `keep` is set (a sliding-window layer)."""
         if layer not in self.self_kv:

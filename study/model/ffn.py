@@ -24,9 +24,4 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w_in(x)  # (B, T, d_ff) or (B, T, 2 d_ff) for a gated unit: [gate; up]
-        if self.activation.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.activation.fn(gate) * up
-        else:
-            h = self.activation.fn(h)
-        return self.w_out(h)  # (B, T, d_model)
+        return self.w_out(self.activation.apply(h))  # (B, T, d_ff) -> (B, T, d_model)

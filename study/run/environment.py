@@ -73,12 +73,13 @@ def cpu_kernels(model: Any, accelerator: str) -> dict[str, str]:
     """Which C++ CPU kernel each axis value of `model` (a ModelConfig) that declares one runs, and beam search's
     (encoder-decoders): "c++", or "eager" where it could not be built. Built here, before training, so that a first
     build's seconds are not timed as training or decoding."""
-    from study.axes import NORMS, POSITIONS
+    from study.axes import ACTIVATIONS, NORMS, POSITIONS
     from study.axes.cpu_kernels import cpu_ops
 
     if not trains_on_cpu(accelerator):
         return {}
-    names = [value.cpu_kernel for value in (NORMS[model.norm], POSITIONS[model.position]) if value.cpu_kernel]
+    values = (NORMS[model.norm], POSITIONS[model.position], ACTIVATIONS[model.activation])
+    names = [value.cpu_kernel for value in values if value.cpu_kernel]
     if model.arch == "encoder-decoder":
         names.append("log_softmax_topk")  # study.model.generate's candidate selection
     return {name: "c++" if cpu_ops(name) is not None else "eager" for name in names}
