@@ -16,6 +16,7 @@ tests/test_decode_kernels.py hold both paths to the eager formulas).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -44,12 +45,21 @@ def _build(name: str) -> Any:
 
     _ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", "-std=c++17"] + _ISA_FLAGS.get(capability, [])
+    flags = ["-O3", "-fopenmp", "-std=c++17", f"-DSTUDY_HEADERS={_headers_digest()}"] + _ISA_FLAGS.get(capability, [])
     cpp_extension.load(
         name=f"study_{name}_{capability.lower()}", sources=[str(KERNELS / f"{name}.cpp")],
         extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
     )
     return getattr(torch.ops, f"study_{name}")
+
+
+def _headers_digest() -> str:
+    """A hash of the kernels' shared headers: torch rebuilds an extension when its source or flags change, not when a
+    header it includes does, so the flags carry this."""
+    digest = hashlib.sha256()
+    for header in sorted(KERNELS.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def cpu_ops(name: str) -> Any | None:

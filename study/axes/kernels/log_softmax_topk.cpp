@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -24,22 +26,7 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 (x - max), written so that `omp simd` vectorises it: std::exp and std::floor do not vectorise
-// without -ffast-math, which would also drop the infinities this file relies on
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: below it the term is negligible against the max's 1
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: add 1.5 * 2^23
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 split (Cody & Waite 1980)
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-  return p * __builtin_bit_cast(float, bits);
-}
+using study_kernels::exp_nonpositive;
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {

@@ -15,26 +15,14 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <cstdint>
 
 namespace {
 
-// exp(x) for x <= 0, vectorisable under `omp simd` (as in log_softmax_topk.cpp: std::exp does not vectorise there)
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: add 1.5 * 2^23
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 split (Cody & Waite 1980)
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-  return p * __builtin_bit_cast(float, bits);
-}
+using study_kernels::exp_nonpositive;
 
 inline float sigmoid(float x) {
   const float e = exp_nonpositive(x < 0.0f ? x : -x);  // exp(-|x|): never overflows
