@@ -92,18 +92,24 @@ class ListCache:
         self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
-@pytest.mark.parametrize("keep", [None, 5, 1])
+@pytest.mark.parametrize("keep", [None, 5, 1, 0])
 def test_the_cache_appends_reorders_and_rolls_as_concatenation_does(keep):
-    """60 steps (past the buffer's first capacities, so it moves to larger ones), a prompt of 3, rows dropped and
-    permuted as beam search does, a rolling window (`keep`) in some cases."""
+    """60 steps (past the buffer's first capacities, so it moves to larger ones), a prompt of 3, each row repeated
+    twice after it (beam search's one-row first step), then rows dropped and permuted as beam search does, a rolling
+    window (`keep`) in some cases."""
     g = torch.Generator().manual_seed(1)
-    cache, ref, rows = KVCache(), ListCache(), 6
+    cache, ref, rows = KVCache(), ListCache(), 3
     for step in range(60):
         t = 3 if step == 0 else 1
         k, v = torch.randn(rows, 2, t, 4, generator=g), torch.randn(rows, 2, t, 4, generator=g)
         got, want = cache.append(0, k, v, keep=keep), ref.append(k, v, keep)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        if step % 3 == 2:
+        if step == 0:
+            index = torch.arange(rows).repeat_interleave(2)
+            cache.select_self(index)
+            ref.select(index)
+            rows *= 2
+        elif step % 3 == 2:
             new_rows = rows - 1 if step % 9 == 8 and rows > 2 else rows
             index = torch.randint(0, rows, (new_rows,), generator=g)
             cache.select_self(index)
