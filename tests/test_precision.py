@@ -124,6 +124,23 @@ def test_a_cpu_run_names_the_compiled_kernels_its_axis_values_run(monkeypatch):
     assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "eager", "rotary": "eager", "swiglu": "eager"}
 
 
+def test_a_llama_training_step_runs_every_kernel_its_axis_values_declare():
+    """RMSNorm's, RoPE's and SwiGLU's C++ kernels are built on a CPU (a machine that runs the suite has a compiler)
+    and a training step's forward and backward call each of them."""
+    from study.config import preset
+    from study.model import build_model
+    from study.run.environment import cpu_kernels
+
+    cfg = preset("llama2", vocab_size=50, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
+    declared = cpu_kernels(cfg, "cpu")
+    assert declared == {"rms_norm": "c++", "rotary": "c++", "swiglu": "c++"}
+    with torch.profiler.profile() as prof:
+        build_model(cfg)(torch.randint(0, 50, (2, 7))).sum().backward()
+    ran = {e.key for e in prof.key_averages()}
+    for name in declared:
+        assert f"study_{name}::{name}" in ran, (name, sorted(k for k in ran if k.startswith("study_")))
+
+
 @pytest.fixture
 def clip_calls(monkeypatch):
     """Every call of torch.nn.utils.clip_grad_norm_: the gradient norm it found and the bound."""
