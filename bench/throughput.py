@@ -18,7 +18,10 @@ the logits and losses agree. All contestants use the same optimizer (AdamW, fuse
 torch has it; `--optimizer default` for the for-loop one). Steps alternate between
 contestants, a round at a time with the starting contestant rotated, so machine noise hits all
 of them; the reported tok/s is from the median step time (and the best step), the ratio is the
-median of per-round ratios.
+median of per-round ratios. On a CPU each contestant runs in a process of its own, as a user's
+training does (`ContestantProcess` says what sharing one did), warms up `--warmup` steps, and at
+each turn runs `--rewarm` untimed steps before its timed ones; each records the minor page faults
+and system time of its timed steps (a step that allocates fresh memory pays the kernel for it).
 
 Peak memory is measured per (contestant, arch, size, dtype) in a fresh subprocess: build the
 model, optimizer and batch, read the resident set size (RSS), reset the kernel's high-water
@@ -376,54 +379,100 @@ def run_probe(impl: str, arch: str, size: str, dtype: str, args) -> dict:
 # --- throughput -----------------------------------------------------------------------------------
 
 
-def measure(arch: str, size: str, dtype: str, args, gemm: dict) -> dict:
-    from study.model.accounting import flops_per_token
+class ContestantProcess:
+    """One contestant in a process of its own, stepped on request (`serve_contestant` is the other end). On a CPU a
+    contestant sharing a process ran at a speed set by what else had used that heap: Hugging Face's GPT-2 5M float32
+    step 4,713-4,896 tok/s alone, 5,441 after the Llama 20M cell; its Llama 20M 1,958-2,010 alone, 1,536 beside our
+    two models (Xeon with AMX, 2026-11-26; its step faults in 0.5-2 GB of fresh pages, whose cost varies). A user
+    trains one model per process, so each contestant gets one. Taking turns still costs a step that faults this much
+    more than running alone does (bench/README.md, "Page faults"), so the rates are not those of a lone run."""
 
-    bf16 = dtype == "bf16"
-    device = torch.device(args.device)
-    models, info = build_models(arch, size, args.impls, device)
-    torch.manual_seed(1)
-    x = torch.randint(0, VOCAB, (BATCH, SEQ)).to(device)
+    def __init__(self, impl: str, arch: str, size: str, dtype: str, args):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--_contestant", f"{impl},{arch},{size},{dtype}",
+               "--threads", str(args.threads), "--optimizer", args.optimizer, "--warmup", str(args.warmup),
+               "--rewarm", str(args.rewarm)]
+        self.proc = subprocess.Popen(cmd + (["--compile"] if args.compile else []), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+        self.impl = impl
+        self.times: list[float] = []
+        self.minor_faults, self.system_s = 0, 0.0  # over the timed steps: fresh pages the kernel mapped in
+        self.opt_name = self._reply()["optimizer"]  # built and warmed up
+
+    def _reply(self):
+        for line in self.proc.stdout:
+            if line.startswith(_REPLY):
+                return json.loads(line[len(_REPLY):])
+            sys.stdout.write(line)  # anything else the contestant printed
+        raise RuntimeError(f"contestant {self.impl} exited with code {self.proc.wait()} (its output is above)")
+
+    def timed_steps(self, n: int) -> list[float]:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        self.minor_faults += reply["minor_faults"]
+        self.system_s += reply["system_s"]
+        return reply["times"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+_REPLY = "@contestant "
+
+
+def serve_contestant(spec: str, args) -> None:
+    """The contestant's side of `ContestantProcess`: build it, warm it up, then time the steps asked for."""
+    impl, arch, size, dtype = spec.split(",")
+    models, _ = build_models(arch, size, [impl], torch.device("cpu"))
+    torch.manual_seed(1)  # the batch `measure` draws
+    x = torch.randint(0, VOCAB, (BATCH, SEQ))
     t = shifted_targets(x)
-    rec: dict = {"arch": arch, "size": size, "dtype": dtype, **info}
-    if not bf16:
-        rec["equivalence_fp32"] = equivalence(models, x[:4], t[:4])
-    cfg = our_config(arch, size)
-    fpt = flops_per_token(cfg, SEQ, training=True)
-    rec["flops_per_token"] = fpt
-    rec["n_matmul_params"] = (fpt / 3 - 4 * cfg.n_heads * cfg.resolved_head_dim * cfg.n_layers * (SEQ + 1) / 2) / 2
-    contestants = [Contestant(k, models[k], args.optimizer, bf16, args.compile) for k in args.impls]
-    rec["optimizer"] = contestants[0].opt_name
-    rec["loss_paths"] = {k: LOSS_PATHS["compiled" if args.compile and k != "hf" else k] for k in args.impls}
-    print(f"\n[{arch} {size} {dtype}] params ours={info['params_ours']:,} hf={info['params_hf']:,} "
-          f"{'match' if info['params_match'] else 'MISMATCH'}; "
-          f"weights copied from HF: {info['weights_copied_from_hf']}", flush=True)
-    if "equivalence_fp32" in rec and rec["equivalence_fp32"]:
-        e = rec["equivalence_fp32"]
-        print(f"  fp32 check: max|logits ours - hf| = {e['max_abs_logit_diff']:.2e}; loss hf {e['loss_hf']:.6f} "
-              f"ours-plain {e['loss_ours_plain']:.6f} ours(fused) {e['loss_ours_fused']:.6f}", flush=True)
+    c = Contestant(impl, models[impl], args.optimizer, dtype == "bf16", args.compile)
+    for _ in range(args.warmup):
+        c.step(x, t)
+    print(_REPLY + json.dumps({"optimizer": c.opt_name}), flush=True)
+    for line in sys.stdin:
+        for _ in range(args.rewarm):
+            c.step(x, t)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        times = [c.timed_step(x, t) for _ in range(int(line))]
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        print(_REPLY + json.dumps({"times": times, "minor_faults": after.ru_minflt - before.ru_minflt,
+                                   "system_s": after.ru_stime - before.ru_stime}), flush=True)
+
+
+def start_contestants(models: dict, x: torch.Tensor, t: torch.Tensor, arch: str, size: str, dtype: str, args):
+    """On a CPU one process per contestant (`ContestantProcess`); on a GPU all in this process (the caching
+    allocator keeps no page-fault history, and a process per contestant would spend scarce device time starting)."""
+    if args.device == "cpu":
+        return [ContestantProcess(k, arch, size, dtype, args) for k in args.impls]
+    contestants = [Contestant(k, models[k], args.optimizer, dtype == "bf16", args.compile) for k in args.impls]
     for c in contestants:
         for _ in range(args.warmup):
             c.step(x, t)
+        c.timed_steps = lambda n, c=c: [c.timed_step(x, t) for _ in range(n)]
+    return contestants
+
+
+def time_rounds(contestants: list, rounds: int, steps: int) -> list[dict[str, float]]:
+    """`rounds` rounds of `steps` timed steps per contestant, the first contestant rotating: median seconds each."""
     n = len(contestants)
-    steps = args.steps or (GPU_STEPS if device.type == "cuda" else DEFAULT_STEPS[size])
-    rec["protocol"] = {
-        "warmup_steps": args.warmup, "rounds": args.rounds, "steps_per_round": steps, "threads": args.threads
-    }
-    rounds: list[dict[str, float]] = []
-    for r in range(args.rounds):
-        order = contestants[r % n:] + contestants[: r % n]
+    out: list[dict[str, float]] = []
+    for r in range(rounds):
         this: dict[str, float] = {}
-        for c in order:
-            ts = []
-            for _ in range(steps):
-                ts.append(c.timed_step(x, t))
+        for c in contestants[r % n:] + contestants[: r % n]:
+            ts = c.timed_steps(steps)
             c.times += ts
             this[c.impl] = statistics.median(ts)
-        rounds.append(this)
+        out.append(this)
         line = "  ".join(f"{k} {BATCH * SEQ / v:,.0f} tok/s" for k, v in this.items())
         print(f"  round {r + 1}: {line}", flush=True)
-    peak_gemm = max(gemm.get(dtype, {}).values() or [float("nan")])
+    return out
+
+
+def throughput_results(contestants: list, rounds: list[dict], fpt: float, peak_gemm: float) -> tuple[dict, dict]:
+    """Per contestant: tok/s from the median and the best step, GFLOP/s; per pair with hf: the median ratio."""
     res = {}
     for c in contestants:
         med, best = statistics.median(c.times), min(c.times)
@@ -435,8 +484,9 @@ def measure(arch: str, size: str, dtype: str, args, gemm: dict) -> dict:
             "gflops": tok * fpt / 1e9,
             "gflops_frac_of_gemm": tok * fpt / 1e9 / peak_gemm,
         }
-    rec["contestants"] = res
-    rec["rounds"] = rounds
+        if isinstance(c, ContestantProcess):  # what the step costs the kernel: fresh pages faulted in, system time
+            res[c.impl]["minor_faults_per_step"] = round(c.minor_faults / len(c.times))
+            res[c.impl]["system_s_per_step"] = round(c.system_s / len(c.times), 3)
     ratios = {}
     if "hf" in res:
         for k in res:
@@ -444,22 +494,67 @@ def measure(arch: str, size: str, dtype: str, args, gemm: dict) -> dict:
                 per_round = [rd["hf"] / rd[k] for rd in rounds]
                 ratios[f"{k}/hf"] = {"median_of_rounds": statistics.median(per_round), "per_round": per_round,
                                      "best_step": res[k]["tok_s_best"] / res["hf"]["tok_s_best"]}
-    rec["throughput_ratios"] = ratios
+    return res, ratios
+
+
+def measure(arch: str, size: str, dtype: str, args, gemm: dict) -> dict:
+    from study.model.accounting import flops_per_token
+
+    device = torch.device(args.device)
+    models, info = build_models(arch, size, args.impls, device)
+    torch.manual_seed(1)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ)).to(device)
+    t = shifted_targets(x)
+    rec: dict = {"arch": arch, "size": size, "dtype": dtype, **info}
+    if dtype == "fp32":
+        rec["equivalence_fp32"] = equivalence(models, x[:4], t[:4])
+    cfg = our_config(arch, size)
+    fpt = flops_per_token(cfg, SEQ, training=True)
+    rec["flops_per_token"] = fpt
+    rec["n_matmul_params"] = (fpt / 3 - 4 * cfg.n_heads * cfg.resolved_head_dim * cfg.n_layers * (SEQ + 1) / 2) / 2
+    rec["loss_paths"] = {k: LOSS_PATHS["compiled" if args.compile and k != "hf" else k] for k in args.impls}
+    print(f"\n[{arch} {size} {dtype}] params ours={info['params_ours']:,} hf={info['params_hf']:,} "
+          f"{'match' if info['params_match'] else 'MISMATCH'}; "
+          f"weights copied from HF: {info['weights_copied_from_hf']}", flush=True)
+    if rec.get("equivalence_fp32"):
+        e = rec["equivalence_fp32"]
+        print(f"  fp32 check: max|logits ours - hf| = {e['max_abs_logit_diff']:.2e}; loss hf {e['loss_hf']:.6f} "
+              f"ours-plain {e['loss_ours_plain']:.6f} ours(fused) {e['loss_ours_fused']:.6f}", flush=True)
+    if device.type == "cpu":
+        del models  # each contestant builds its own, in its own process
+        gc.collect()
+        models = {}
+    contestants = start_contestants(models, x, t, arch, size, dtype, args)
+    rec["optimizer"] = contestants[0].opt_name
+    steps = args.steps or (GPU_STEPS if device.type == "cuda" else DEFAULT_STEPS[size])
+    rec["protocol"] = {"warmup_steps": args.warmup, "rounds": args.rounds, "steps_per_round": steps,
+                       "threads": args.threads, "processes": "one per contestant" if device.type == "cpu" else "one"}
+    rounds = time_rounds(contestants, args.rounds, steps)
+    peak_gemm = max(gemm.get(dtype, {}).values() or [float("nan")])
+    rec["contestants"], rec["throughput_ratios"] = throughput_results(contestants, rounds, fpt, peak_gemm)
+    rec["rounds"] = rounds
+    for c in contestants:
+        if isinstance(c, ContestantProcess):
+            c.close()
     del contestants, models
     gc.collect()
     if not args.no_memory:
-        mem = {}
-        for impl in args.impls:
-            mem[impl] = run_probe(impl, arch, size, dtype, args)
-            if "error" in mem[impl]:
-                print(f"  memory probe {impl} failed: {mem[impl]['error'][-300:]}", flush=True)
-        rec["memory"] = mem
-        if "hf" in mem and "step_peak_mb" in mem["hf"]:
-            rec["memory_ratios"] = {f"{k}/hf": mem[k]["step_peak_mb"] / mem["hf"]["step_peak_mb"]
-                                    for k in mem if k != "hf" and "step_peak_mb" in mem[k]}
-        print("  peak memory over model+optimizer: " + "  ".join(
-            f"{k} {v.get('step_peak_mb', float('nan')):,.0f} MB" for k, v in mem.items()), flush=True)
+        rec.update(memory_of(arch, size, dtype, args))
     return rec
+
+
+def memory_of(arch: str, size: str, dtype: str, args) -> dict:
+    mem = {impl: run_probe(impl, arch, size, dtype, args) for impl in args.impls}
+    for impl, m in mem.items():
+        if "error" in m:
+            print(f"  memory probe {impl} failed: {m['error'][-300:]}", flush=True)
+    out = {"memory": mem}
+    if "hf" in mem and "step_peak_mb" in mem["hf"]:
+        out["memory_ratios"] = {f"{k}/hf": mem[k]["step_peak_mb"] / mem["hf"]["step_peak_mb"]
+                                for k in mem if k != "hf" and "step_peak_mb" in mem[k]}
+    print("  peak memory over model+optimizer: " + "  ".join(
+        f"{k} {v.get('step_peak_mb', float('nan')):,.0f} MB" for k, v in mem.items()), flush=True)
+    return out
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -509,7 +604,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="default 3 on a CPU, 5 on a GPU")
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps per contestant per round (default 2 at 5M, 1 at 20M)")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed steps per contestant first (a fresh process speeds up over its first steps)")
+    ap.add_argument("--rewarm", type=int, default=1,
+                    help="untimed steps a contestant in its own process runs at each turn before the timed ones")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--optimizer", choices=["fused", "default"], default="fused")
     ap.add_argument("--probe-steps", type=int, default=2)
@@ -519,9 +617,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile every contestant (ours uses the plain loss)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/throughput-<date>.json)")
     ap.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_contestant", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    if args._contestant:
+        serve_contestant(args._contestant, args)
+        return 0
     if args._probe:
         impl, arch, size, dtype = args._probe.split(",")
         print(json.dumps(memory_probe(impl, arch, size, dtype, args.optimizer, args.probe_steps)))

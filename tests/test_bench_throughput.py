@@ -1,0 +1,35 @@
+"""`bench/throughput.py` on a CPU: each contestant trains in a process of its own, taking turns, and reports the page
+faults and system time of its timed steps beside its step times (bench/README.md, "Page faults")."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import throughput  # noqa: E402
+
+
+def test_each_contestant_runs_in_its_own_process_and_reports_its_faults(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    argv = ["--archs", "llama", "--sizes", "5M", "--dtypes", "fp32", "--impls", "ours,hf", "--rounds", "2",
+            "--steps", "1", "--warmup", "1", "--rewarm", "0", "--no-memory", "--threads", "1", "--out", str(out)]
+    assert throughput.main(argv) == 0
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["protocol"]["processes"] == "one per contestant"
+    assert rec["params_match"] and rec["weights_copied_from_hf"]
+    assert rec["equivalence_fp32"]["max_abs_logit_diff"] < 1e-4  # checked in this process before the contestants start
+    for impl in ("ours", "hf"):
+        c = rec["contestants"][impl]
+        assert len(c["step_times_s"]) == 2 and c["tok_s"] > 0
+        assert c["minor_faults_per_step"] >= 0 and c["system_s_per_step"] >= 0
+    assert len(rec["throughput_ratios"]["ours/hf"]["per_round"]) == 2
+    assert "round 2:" in capsys.readouterr().out
+
+
+def test_a_contestant_that_dies_is_named():
+    args = throughput.argparse.Namespace(threads=1, optimizer="fused", warmup=1, rewarm=0, compile=False)
+    with pytest.raises(RuntimeError, match="contestant ours exited with code 1"):
+        throughput.ContestantProcess("ours", "llama", "1T", "fp32", args)  # no such size: it dies building
