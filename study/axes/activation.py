@@ -45,7 +45,17 @@ class Activation(abc.ABC):
     @classmethod
     def apply(cls, h: torch.Tensor) -> torch.Tensor:
         """The FFN's hidden activation from its input projection h: fn(h), or fn(gate) * up for a gated unit, whose
-        h (..., 2 d_ff) holds [gate; up]."""
+        h (..., 2 d_ff) holds [gate; up]. On a CPU in eager mode through the value's C++ kernel where it declares one
+        (`torch.ops.study_<cpu_kernel>.<cpu_kernel>(h)`, the same function in one pass each way)."""
+        if cls.cpu_kernel is not None and h.dtype in (torch.float32, torch.bfloat16, torch.float64):
+            kernel = eager_cpu_ops(cls.cpu_kernel, h)
+            if kernel is not None:
+                return getattr(kernel, cls.cpu_kernel)(h)
+        return cls.eager(h)
+
+    @classmethod
+    def eager(cls, h: torch.Tensor) -> torch.Tensor:
+        """`apply` in PyTorch operations: a GPU's path, torch.compile's, and the kernels' specification."""
         if cls.gated:
             gate, up = h.chunk(2, dim=-1)
             return cls.fn(gate) * up
@@ -104,13 +114,12 @@ class SwiGLU(Activation):
     fn = staticmethod(F.silu)
     cpu_kernel = "swiglu"
 
-    @classmethod
-    def apply(cls, h: torch.Tensor) -> torch.Tensor:
-        kernel = eager_cpu_ops("swiglu", h) if h.dtype in (torch.float32, torch.bfloat16, torch.float64) else None
-        return kernel.swiglu(h) if kernel is not None else super().apply(h)
-
 
 @ACTIVATIONS.register("geglu", "GELU-gated linear unit (Shazeer 2020; T5 v1.1)")
 class GEGLU(Activation):
+    """On a CPU in eager mode, gelu(gate) * up runs as one C++ pass each way (study/axes/kernels/geglu.cpp), for the
+    reason SwiGLU's does."""
+
     gated = True
     fn = staticmethod(F.gelu)
+    cpu_kernel = "geglu"
