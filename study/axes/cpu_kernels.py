@@ -3,14 +3,15 @@
 
 Why by hand: an ablation must time every value at its best kernel, and torch (2.13) has no fused CPU RMSNorm, where
 LayerNorm gets one fused kernel each way (bench/README.md, "RMSNorm at its best kernel"), nor a fused CPU rotary
-embedding or gated unit (SwiGLU, GEGLU; where ReLU and GELU get one kernel each way); no maintained library ships
-them for CPU tensors (Apex, Liger and FlashAttention's are CUDA/Triton).
+embedding or gated unit (SwiGLU, GEGLU; where ReLU and GELU get one kernel each way), and its tanh-form GELU is
+slower than its erf form; no maintained library ships them for CPU tensors (Apex, Liger and FlashAttention's are
+CUDA/Triton).
 `torch.utils.cpp_extension.load` compiles `kernels/<name>.cpp` once per machine into torch's extension cache (a file
 lock guards concurrent builds), with OpenMP threads sized to `torch.get_num_threads()` at each call, as
 TorchInductor's CPU kernels do.
 
 Where no compiler or ninja is found, or STUDY_CPU_KERNELS=0, the callers keep their eager path after one warning: the
-same function (tests/test_norm_kernels.py, tests/test_rotary_kernel.py, tests/test_gated_unit_kernels.py and
+same function (tests/test_norm_kernels.py, tests/test_rotary_kernel.py, tests/test_activation_kernels.py and
 tests/test_decode_kernels.py hold both paths to the eager formulas).
 """
 

@@ -1,10 +1,10 @@
 // GEGLU's gate (Shazeer 2020; T5 v1.1): out = gelu(g) * u over h = [g; u], GELU in its exact erf form (Hendrycks &
-// Gimpel 2016), as F.gelu computes it, one pass each way (gated_unit.h). Built on first use by
+// Gimpel 2016), as F.gelu computes it, one pass each way (activation.h). Built on first use by
 // study/axes/cpu_kernels.py; study/axes/activation.py's GEGLU calls `geglu`.
 // gelu(x) = x Phi(x), gelu'(x) = Phi(x) + x phi(x), Phi the standard normal CDF and phi its density.
 #include <torch/library.h>
 
-#include "gated_unit.h"
+#include "activation.h"
 #include "vec_math.h"
 
 #include <cmath>

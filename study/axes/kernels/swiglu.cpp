@@ -1,10 +1,10 @@
-// SwiGLU's gate (Shazeer 2020): out = silu(g) * u over h = [g; u], one pass each way (gated_unit.h). The eager
+// SwiGLU's gate (Shazeer 2020): out = silu(g) * u over h = [g; u], one pass each way (activation.h). The eager
 // composite made the default sweep's SwiGLU step 1.14x ReLU's at equal FLOPs (bench/axis_cost.py), a cost of our code,
 // not of the idea. Built on first use by study/axes/cpu_kernels.py; study/axes/activation.py's SwiGLU calls `swiglu`.
 // silu(x) = x s with s = sigmoid(x); silu'(x) = s (1 + x (1 - s)).
 #include <torch/library.h>
 
-#include "gated_unit.h"
+#include "activation.h"
 #include "vec_math.h"
 
 #include <cmath>
