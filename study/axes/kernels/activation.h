@@ -143,34 +143,29 @@ template <typename Act>
 at::Tensor pointwise_forward(const at::Tensor& x) { return pointwise<Act>(x, at::Tensor()); }
 
 template <typename Act>
-class PointwiseNode : public torch::autograd::Function<PointwiseNode<Act>> {
+at::Tensor pointwise_backward(const at::Tensor& dy, const at::Tensor& x) { return pointwise<Act>(x, dy); }
+
+// An autograd node that saves its input alone (the eager gated unit saves the gate, its activation and up) and
+// computes Forward(x), and Backward(dy, x) for the gradient.
+template <at::Tensor (*Forward)(const at::Tensor&), at::Tensor (*Backward)(const at::Tensor&, const at::Tensor&)>
+class SavedInputNode : public torch::autograd::Function<SavedInputNode<Forward, Backward>> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_) {
     const at::Tensor x = x_.contiguous();
     ctx->save_for_backward({x});
-    return pointwise_forward<Act>(x);
+    return Forward(x);
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
-    return {pointwise<Act>(ctx->get_saved_variables()[0], grads[0])};
+    return {Backward(grads[0], ctx->get_saved_variables()[0])};
   }
 };
 
-// Saves h alone (the eager path saves the gate, its activation and up).
 template <typename Act>
-class GluNode : public torch::autograd::Function<GluNode<Act>> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h_) {
-    const at::Tensor h = h_.contiguous();
-    ctx->save_for_backward({h});
-    return glu_forward<Act>(h);
-  }
+using GluNode = SavedInputNode<glu_forward<Act>, glu_backward<Act>>;
 
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
-                                               torch::autograd::tensor_list grads) {
-    return {glu_backward<Act>(grads[0], ctx->get_saved_variables()[0])};
-  }
-};
+template <typename Act>
+using PointwiseNode = SavedInputNode<pointwise_forward<Act>, pointwise_backward<Act>>;
 
 }  // namespace study_kernels
