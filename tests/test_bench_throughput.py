@@ -6,13 +6,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import throughput  # noqa: E402
 
 
-def test_each_contestant_runs_in_its_own_process_and_reports_its_faults(tmp_path, capsys):
+@pytest.fixture
+def keep_torch_threads():
+    threads = torch.get_num_threads()  # main() sets the process's thread count
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_each_contestant_runs_in_its_own_process_and_reports_its_faults(tmp_path, capsys, keep_torch_threads):
     out = tmp_path / "tp.json"
     argv = ["--archs", "llama", "--sizes", "5M", "--dtypes", "fp32", "--impls", "ours,hf", "--rounds", "2",
             "--steps", "1", "--warmup", "1", "--rewarm", "0", "--no-memory", "--threads", "1", "--out", str(out)]
