@@ -108,15 +108,17 @@ def test_a_run_records_the_gpus_its_worker_gave_it(monkeypatch):
 
 
 def test_a_cpu_run_names_the_compiled_kernels_its_axis_values_run(monkeypatch):
-    """RMSNorm, RoPE and SwiGLU declare C++ CPU kernels, and an encoder-decoder's beam search has one; a CPU run
-    builds them before training and env.json says which path each ran."""
+    """RMSNorm, RoPE, SwiGLU, GEGLU and GELU-tanh declare C++ CPU kernels, and an encoder-decoder's beam search has
+    one; a CPU run builds them before training and env.json says which path each ran."""
     import study.axes.cpu_kernels as cpu_kernels_module
     from study.config import preset
     from study.run.environment import cpu_kernels
 
     assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "c++", "rotary": "c++", "swiglu": "c++"}
     assert cpu_kernels(preset("llama2", norm="layernorm", position="alibi", activation="gelu"), "cpu") == {}
-    assert cpu_kernels(preset("gpt2"), "cpu") == {}  # LayerNorm, learned positions: torch's own kernels
+    assert cpu_kernels(preset("gpt2"), "cpu") == {"gelu_tanh": "c++"}  # LayerNorm, learned positions: torch's own
+    assert cpu_kernels(preset("t5", activation="geglu"), "cpu") == {
+        "rms_norm": "c++", "geglu": "c++", "log_softmax_topk": "c++"}
     assert cpu_kernels(preset("llama2"), "gpu") == {}
     assert cpu_kernels(preset("vaswani"), "cpu") == {"log_softmax_topk": "c++"}
     assert cpu_kernels(preset("vaswani"), "gpu") == {}
