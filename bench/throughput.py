@@ -362,11 +362,16 @@ def cuda_memory_probe(impl: str, arch: str, size: str, dtype: str, optimizer: st
             "method": "torch.cuda.max_memory_allocated over the steps minus memory_allocated before them"}
 
 
+def this_script(role: str, spec: str, args) -> list[str]:
+    """The command that runs this file as a helper process (`--_probe` or `--_contestant`) with the run's options."""
+    return [sys.executable, str(Path(__file__).resolve()), role, spec, "--threads", str(args.threads),
+            "--optimizer", args.optimizer]
+
+
 def run_probe(impl: str, arch: str, size: str, dtype: str, args) -> dict:
     if args.device == "cuda":
         return cuda_memory_probe(impl, arch, size, dtype, args.optimizer, args.probe_steps)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_probe", f"{impl},{arch},{size},{dtype}",
-           "--threads", str(args.threads), "--optimizer", args.optimizer, "--probe-steps", str(args.probe_steps)]
+    cmd = this_script("--_probe", f"{impl},{arch},{size},{dtype}", args) + ["--probe-steps", str(args.probe_steps)]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT))
     if res.returncode != 0:
@@ -388,9 +393,8 @@ class ContestantProcess:
     more than running alone does (bench/README.md, "Page faults"), so the rates are not those of a lone run."""
 
     def __init__(self, impl: str, arch: str, size: str, dtype: str, args):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--_contestant", f"{impl},{arch},{size},{dtype}",
-               "--threads", str(args.threads), "--optimizer", args.optimizer, "--warmup", str(args.warmup),
-               "--rewarm", str(args.rewarm)]
+        cmd = this_script("--_contestant", f"{impl},{arch},{size},{dtype}", args)
+        cmd += ["--warmup", str(args.warmup), "--rewarm", str(args.rewarm)]
         self.proc = subprocess.Popen(cmd + (["--compile"] if args.compile else []), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
         self.impl = impl

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from study.axes import ACTIVATIONS
 from study.config import ConfigError, ExperimentConfig
 from study.model.accounting import kv_cache_bytes_per_token
 from study.model.precision import resolve_precision
@@ -213,3 +214,18 @@ def test_bf16_mixed_translation_trains_and_decodes(tmp_path, clip_calls):
     _assert_clipped_every_step(clip_calls, 3)
     assert set(m["metrics"]["test_sets"]) == {"test_2016_flickr", "test_2017_flickr", "test_2017_mscoco"}
     assert 0 <= m["metrics"]["bleu"] <= 100
+
+
+@pytest.mark.parametrize("activation", [n for n, act in ACTIVATIONS.items() if act.cpu_kernel])
+def test_a_training_step_runs_the_kernel_its_activation_declares(activation):
+    """GEGLU's and GELU-tanh's kernels as SwiGLU's: built, and called by a training step, not silently eager."""
+    from study.config import preset
+    from study.model import build_model
+    from study.run.environment import cpu_kernels
+
+    cfg = preset("llama2", vocab_size=50, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, activation=activation)
+    assert cpu_kernels(cfg, "cpu")[activation] == "c++"
+    with torch.profiler.profile() as prof:
+        build_model(cfg)(torch.randint(0, 50, (2, 7))).sum().backward()
+    ran = {e.key for e in prof.key_averages()}
+    assert f"study_{activation}::{activation}" in ran, sorted(k for k in ran if k.startswith("study_"))

@@ -129,11 +129,9 @@ class _LayerKV:
         held, (_, rows, _, heads, head_dim) = self.held, self.kv.shape
         new_rows = rows if index is None else index.numel()
         moved = self.kv.new_empty((max(capacity, held + 1), new_rows, 2, heads, head_dim))
-        if held == 0:
-            pass
-        elif index is None:
+        if index is None:
             moved[:held] = self.kv[self.start : self.end]
-        else:  # row p * rows + index[i] of the (positions * rows) source is row p * new_rows + i of the destination
+        elif held:  # row p * rows + index[i] of the (positions * rows) source is row p * new_rows + i of the destination
             rows_of = (torch.arange(held, device=index.device)[:, None] * rows + index[None, :]).view(-1)
             source = self.kv[self.start : self.end].view(held * rows, -1)
             torch.index_select(source, 0, rows_of, out=moved[:held].view(held * new_rows, -1))

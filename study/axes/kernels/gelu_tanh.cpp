@@ -21,18 +21,12 @@ constexpr double kCubic = 0.044715;
 // 1 + tanh(u) and 1 - tanh(u) without cancellation in either tail (gelu(x) for x << 0 is x (1 + t) / 2 with t near
 // -1): with e = exp(-2 |u|) <= 1 (vectorisable, no overflow), 1 + t = 2 e / (1 + e) for u < 0 and 2 / (1 + e)
 // otherwise, and 1 - t the other way round.
-inline void one_plus_minus_tanh(float u, float& plus, float& minus) {
-  const float e = exp_nonpositive(-2.0f * (u < 0.0f ? -u : u));
-  const float small = 2.0f * e / (1.0f + e), large = 2.0f / (1.0f + e);
-  plus = u < 0.0f ? small : large;
-  minus = u < 0.0f ? large : small;
-}
-
-inline void one_plus_minus_tanh(double u, double& plus, double& minus) {
-  const double e = std::exp(-2.0 * std::fabs(u));
-  const double small = 2.0 * e / (1.0 + e), large = 2.0 / (1.0 + e);
-  plus = u < 0.0 ? small : large;
-  minus = u < 0.0 ? large : small;
+template <typename C>
+void one_plus_minus_tanh(C u, C& plus, C& minus) {
+  const C e = exp_nonpositive(C(-2) * (u < C(0) ? -u : u));
+  const C small = C(2) * e / (C(1) + e), large = C(2) / (C(1) + e);
+  plus = u < C(0) ? small : large;
+  minus = u < C(0) ? large : small;
 }
 
 struct GeluTanh {

@@ -2,6 +2,7 @@
 // build's flags, so that editing it rebuilds them).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace study_kernels {
@@ -23,5 +24,8 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
   return p * __builtin_bit_cast(float, bits);
 }
+
+// float64 (gradcheck's dtype, not a hot path): the library's exp, so that a kernel's formula can be one template.
+inline double exp_nonpositive(double x) { return std::exp(x); }
 
 }  // namespace study_kernels
