@@ -99,8 +99,10 @@ def test_label_smoothing_under_bf16_autocast_agrees_with_the_plain_path_to_bf16_
 
 @pytest.mark.parametrize("eps", [0.1, 0.3])
 def test_label_smoothing_on_the_device_path_equals_pytorchs(monkeypatch, eps):
-    # The path a GPU takes (no host reads): every row masked, every underflowing pick corrected without asking.
+    # The path a GPU takes (no host reads, eager ops, not the CPU's C++ pass): every row masked, every underflowing
+    # pick corrected without asking.
     monkeypatch.setattr("study.model.loss.host_reads_are_free", lambda device: False)
+    monkeypatch.setattr("study.model.loss.eager_cpu_ops", lambda name, x: None)
     h, w, b, t = smoothed_problem(bias=True, scale=4.0)
     fused = loss_and_grads(lambda: linear_cross_entropy(h, w, t, b, chunk_size=16, label_smoothing=eps), h, w, b)
     plain = loss_and_grads(lambda: plain_smoothed(h, w, b, t, eps), h, w, b)

@@ -109,39 +109,47 @@ def test_a_run_records_the_gpus_its_worker_gave_it(monkeypatch):
 
 
 def test_a_cpu_run_names_the_compiled_kernels_its_axis_values_run(monkeypatch):
-    """RMSNorm, RoPE, SwiGLU, GEGLU and GELU-tanh declare C++ CPU kernels, and an encoder-decoder's beam search has
-    one; a CPU run builds them before training and env.json says which path each ran."""
+    """RMSNorm, RoPE, SwiGLU, GEGLU and GELU-tanh declare C++ CPU kernels, every model's fused loss has one and an
+    encoder-decoder's beam search another; a CPU run builds them before training and env.json says which path each
+    ran."""
     import study.axes.cpu_kernels as cpu_kernels_module
     from study.config import preset
     from study.run.environment import cpu_kernels
 
-    assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "c++", "rotary": "c++", "swiglu": "c++"}
-    assert cpu_kernels(preset("llama2", norm="layernorm", position="alibi", activation="gelu"), "cpu") == {}
-    assert cpu_kernels(preset("gpt2"), "cpu") == {"gelu_tanh": "c++"}  # LayerNorm, learned positions: torch's own
+    loss = {"cross_entropy_grad": "c++"}
+    assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "c++", "rotary": "c++", "swiglu": "c++", **loss}
+    assert cpu_kernels(preset("llama2", norm="layernorm", position="alibi", activation="gelu"), "cpu") == loss
+    assert cpu_kernels(preset("gpt2"), "cpu") == {"gelu_tanh": "c++", **loss}  # LayerNorm, learned positions
     assert cpu_kernels(preset("t5", activation="geglu"), "cpu") == {
-        "rms_norm": "c++", "geglu": "c++", "log_softmax_topk": "c++"}
+        "rms_norm": "c++", "geglu": "c++", "log_softmax_topk": "c++", **loss}
     assert cpu_kernels(preset("llama2"), "gpu") == {}
-    assert cpu_kernels(preset("vaswani"), "cpu") == {"log_softmax_topk": "c++"}
+    assert cpu_kernels(preset("vaswani"), "cpu") == {"log_softmax_topk": "c++", **loss}
     assert cpu_kernels(preset("vaswani"), "gpu") == {}
-    monkeypatch.setattr(cpu_kernels_module, "_loaded", {"rms_norm": None, "rotary": None, "swiglu": None})  # not built
-    assert cpu_kernels(preset("llama2"), "cpu") == {"rms_norm": "eager", "rotary": "eager", "swiglu": "eager"}
+    not_built = {"rms_norm": None, "rotary": None, "swiglu": None, "cross_entropy_grad": None}
+    monkeypatch.setattr(cpu_kernels_module, "_loaded", not_built)
+    assert cpu_kernels(preset("llama2"), "cpu") == dict.fromkeys(not_built, "eager")
 
 
-def test_a_llama_training_step_runs_every_kernel_its_axis_values_declare():
-    """RMSNorm's, RoPE's and SwiGLU's C++ kernels are built on a CPU (a machine that runs the suite has a compiler)
-    and a training step's forward and backward call each of them."""
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_llama_training_step_runs_every_kernel_it_declares(autocast):
+    """RMSNorm's, RoPE's, SwiGLU's and the loss's C++ kernels are built on a CPU (a machine that runs the suite has a
+    compiler) and a training step's forward and backward call each of them, in float32 and under bf16 autocast (where
+    the loss also adds W's bfloat16 share to its float32 gradient in C++)."""
     from study.config import preset
     from study.model import build_model
     from study.run.environment import cpu_kernels
 
     cfg = preset("llama2", vocab_size=50, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
     declared = cpu_kernels(cfg, "cpu")
-    assert declared == {"rms_norm": "c++", "rotary": "c++", "swiglu": "c++"}
-    with torch.profiler.profile() as prof:
-        build_model(cfg)(torch.randint(0, 50, (2, 7))).sum().backward()
+    assert declared == {"rms_norm": "c++", "rotary": "c++", "swiglu": "c++", "cross_entropy_grad": "c++"}
+    x = torch.randint(0, 50, (2, 7))
+    with torch.profiler.profile() as prof, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        build_model(cfg).loss(x, x).backward()
     ran = {e.key for e in prof.key_averages()}
-    for name in declared:
-        assert f"study_{name}::{name}" in ran, (name, sorted(k for k in ran if k.startswith("study_")))
+    expected = [f"study_{name}::{name}" for name in ("rms_norm", "rotary", "swiglu")]
+    expected += ["study_cross_entropy_grad::forward_"] + (["study_cross_entropy_grad::accumulate_"] if autocast else [])
+    for op in expected:
+        assert op in ran, (op, sorted(k for k in ran if k.startswith("study_")))
 
 
 @pytest.fixture

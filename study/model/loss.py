@@ -3,11 +3,12 @@
 `linear_cross_entropy(h, weight, targets)` equals
 `F.cross_entropy(F.linear(h, weight, bias).float(), targets, ignore_index=..., label_smoothing=...)` (mean
 over non-ignored targets) but never materialises the (N, vocab) logits: each chunk of rows is
-projected, and its softmax, loss and gradient (softmax - one_hot) are computed while the
-chunk is in cache. The loss reads log p[target] from the softmax, which on CPU is several
-times faster than log_softmax (log_softmax takes over for the rare rows where p underflows).
-The gradients for `h`, `weight` and `bias` are accumulated during the forward pass; the
-backward only scales them by the incoming gradient. The matmuls are the same three the
+projected into one buffer, and its loss and gradient (softmax - one_hot) are computed while the chunk is in cache.
+On a CPU (float32 or bfloat16 logits) one C++ pass per row does it (study/axes/kernels/cross_entropy_grad.cpp: the
+loss as logsumexp - target logit, the gradient written over the logits); elsewhere eager ops do: a softmax, which on
+CPU is several times faster than log_softmax, the log of its pick (log_softmax takes over for the rare rows where p
+underflows) and a scatter of the one-hot. The gradients for `h`, `weight` and `bias` are accumulated during the
+forward pass; the backward only scales them by the incoming gradient. The matmuls are the same three the
 unfused path runs (logits, dlogits @ W, dlogits^T @ h), so it costs no extra FLOPs, and
 peak memory drops by about three (N, vocab) float32 tensors (logits, log-probabilities,
 their gradient).
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from study.axes.cpu_kernels import eager_cpu_ops
 from study.model.precision import autocast_dtype, host_reads_are_free
 
 
@@ -44,60 +46,39 @@ _LOG_TINY = -69.0
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, targets, ignore_index, chunk_size, compute_dtype, label_smoothing):
-        n = h.shape[0]
-        needs = ctx.needs_input_grad
+        n, n_vocab = h.shape[0], weight.shape[0]
         with torch.autocast(h.device.type, enabled=False):
-            hc = h.to(compute_dtype)
-            w = weight.to(compute_dtype)
+            hc, w = h.to(compute_dtype), weight.to(compute_dtype)
             b = bias.to(compute_dtype) if bias is not None else None
-            valid = targets != ignore_index
-            count = valid.sum()
-            # On the CPU reading a value costs nothing and saves whole passes over the chunk; on a GPU it would wait
-            # for the device, so there every row is masked and every pick corrected without asking.
-            reads_free = host_reads_are_free(h.device)
-            any_ignored = bool(count < n) if reads_free else True
-            safe_targets = targets.clamp(min=0) if any_ignored else targets
+            rows = _Targets(targets, ignore_index, 1.0 - label_smoothing)
             loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h, grad_w, grad_b = _gradient_buffers(h, weight, bias, needs, compute_dtype)
-            smoothing = _Smoothing(label_smoothing, hc, w, b, valid) if label_smoothing else None
+            grad_h, grad_w, grad_b = _gradient_buffers(h, weight, bias, ctx.needs_input_grad, compute_dtype)
+            smoothing = _Smoothing(label_smoothing, hc, w, b, rows.valid) if label_smoothing else None
+            # one chunk of logits, overwritten by their gradient (softmax - target_weight * one_hot), and W's share of
+            # it, allocated once: fresh (rows, V) blocks each chunk cost page faults (bench/README.md, "Page faults")
+            z_all = torch.empty((min(chunk_size, n), n_vocab), dtype=compute_dtype, device=h.device)
+            partial_w = _partial_weight_grad(grad_w, compute_dtype)
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
-                x = hc[start:end]
-                t = safe_targets[start:end, None]
-                logits = F.linear(x, w, b).float()
-                # softmax is several times faster than log_softmax on CPU; the picked
-                # log-probability is log(p) unless p underflows, where log_softmax decides.
-                p = torch.softmax(logits, dim=-1)
-                picked = _picked_log_probs(p, logits, t, reads_free)
-                keep = valid[start:end] if any_ignored else None
+                x, z = hc[start:end], z_all[:end - start]
+                torch.mm(x, w.t(), out=z) if b is None else torch.addmm(b, x, w.t(), out=z)
                 if smoothing is not None:
-                    smoothing.add_rows(x, logits, t, keep)
-                del logits
-                if any_ignored:
-                    picked = picked.masked_fill(~keep, 0.0)
-                loss_sum -= picked.sum()
-                if grad_h is None and grad_w is None and grad_b is None:
-                    continue
-                g = p
-                g.scatter_add_(1, t, torch.full_like(t, label_smoothing - 1.0, dtype=g.dtype))
-                if any_ignored:
-                    g.mul_(keep[:, None])
-                g = g.to(compute_dtype)
+                    smoothing.add_rows(x, z, *rows.chunk(start, end)[1:])
+                loss_sum += rows.loss_and_logit_grad_(z, start, end)
                 if grad_h is not None:
-                    torch.mm(g, w, out=grad_h[start:end])
-                if grad_w is not None:
-                    if compute_dtype == torch.float32:
-                        grad_w.addmm_(g.t(), x)
-                    else:
-                        grad_w.add_(torch.mm(g.t(), x))
+                    torch.mm(z, w, out=grad_h[start:end])
+                if grad_w is not None and partial_w is None:
+                    grad_w.addmm_(z.t(), x)
+                elif grad_w is not None:  # torch's CPU addmm_ takes one dtype: W's share rounds to it, then adds
+                    _add_to_float32_(grad_w, torch.mm(z.t(), x, out=partial_w))
                 if grad_b is not None:
-                    grad_b.add_(g.sum(0, dtype=torch.float32))
-            scale = 1.0 / count.to(torch.float32)
+                    grad_b.add_(z.sum(0, dtype=torch.float32))
+            scale = 1.0 / rows.count.to(torch.float32)
             grads = [None if g_ is None else g_.to(like.dtype)
                      for g_, like in ((grad_h, h), (grad_w, weight), (grad_b, bias))]
             if smoothing is not None:
                 loss_sum = loss_sum + smoothing.loss_sum
-                smoothing.add_uniform_gradients(grads, valid, count)
+                smoothing.add_uniform_gradients(grads, rows.valid, rows.count)
             loss = loss_sum * scale
             grads = [None if g_ is None else g_.mul_(scale) for g_ in grads]
         ctx.grads = grads
@@ -121,6 +102,61 @@ def _gradient_buffers(h, weight, bias, needs, compute_dtype) -> tuple:
     if bias is not None and needs[2]:
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device)
     return grad_h, grad_w, grad_b
+
+
+def _partial_weight_grad(grad_w: torch.Tensor | None, compute_dtype: torch.dtype) -> torch.Tensor | None:
+    """Where a chunk's share of W's gradient lands before its float32 sum, where the compute dtype is not float32."""
+    if grad_w is None or compute_dtype == grad_w.dtype:
+        return None
+    return torch.empty(grad_w.shape, dtype=compute_dtype, device=grad_w.device)
+
+
+def _add_to_float32_(acc: torch.Tensor, part: torch.Tensor) -> None:
+    """acc (float32) += part. torch's mixed-dtype add_ first copies a bfloat16 part to a fresh float32 block (3.4 ms of
+    4.4 for W's (8000, 512) share on a Xeon with AMX, 2 threads); on a CPU the C++ kernel adds it in one pass."""
+    ops = eager_cpu_ops("cross_entropy_grad", part) if part.dtype == torch.bfloat16 else None
+    if ops is None:
+        acc.add_(part)
+    else:
+        ops.accumulate_(acc, part)
+
+
+class _Targets:
+    """A flat batch's targets, and each chunk's loss and logit gradient: the C++ kernel's one pass
+    (study/axes/kernels/cross_entropy_grad.cpp) on CPU float32 and bfloat16 logits, eager PyTorch elsewhere."""
+
+    def __init__(self, targets: torch.Tensor, ignore_index: int, target_weight: float):
+        self.targets, self.ignore_index, self.target_weight = targets, ignore_index, target_weight
+        self.valid = targets != ignore_index
+        self.count = self.valid.sum()
+        # On the CPU reading a value costs nothing and saves whole passes over the chunk; on a GPU it would wait
+        # for the device, so there every row is masked and every pick corrected without asking.
+        self.reads_free = host_reads_are_free(targets.device)
+        self.any_ignored = bool(self.count < targets.numel()) if self.reads_free else True
+        self.safe = targets.clamp(min=0) if self.any_ignored else targets
+
+    def chunk(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The chunk's targets, its targets with ignored ones at 0 (column indices), (chunk, 1), and the rows that
+        count (None when all do)."""
+        keep = self.valid[start:end] if self.any_ignored else None
+        return self.targets[start:end], self.safe[start:end, None], keep
+
+    def loss_and_logit_grad_(self, z: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The chunk's summed -log p[target] (float32, 0-d); z, its (chunk, V) logits, becomes their gradient
+        softmax - target_weight * one_hot, zero in ignored rows."""
+        targets, t, keep = self.chunk(start, end)
+        ops = eager_cpu_ops("cross_entropy_grad", z) if z.dtype in (torch.float32, torch.bfloat16) else None
+        if ops is not None:
+            return ops.forward_(z, targets, self.target_weight, self.ignore_index).sum()
+        logits = z.float()
+        p = torch.softmax(logits, dim=-1)  # several times faster than log_softmax on CPU
+        picked = _picked_log_probs(p, logits, t, self.reads_free)
+        p.scatter_add_(1, t, torch.full_like(t, -self.target_weight, dtype=p.dtype))
+        if keep is not None:
+            picked = picked.masked_fill(~keep, 0.0)
+            p.mul_(keep[:, None])
+        z.copy_(p)
+        return -picked.sum()
 
 
 def _picked_log_probs(p: torch.Tensor, logits: torch.Tensor, t: torch.Tensor, reads_free: bool) -> torch.Tensor:
@@ -155,7 +191,7 @@ class _Smoothing:
 
     def add_rows(self, x: torch.Tensor, logits: torch.Tensor, t: torch.Tensor, keep: torch.Tensor | None) -> None:
         """Adds eps * (target logit - mean logit) of the chunk's kept rows."""
-        excess = logits.gather(1, t).squeeze(1) - (x.float() @ self.w_mean + self.b_mean)
+        excess = logits.gather(1, t).squeeze(1).float() - (x.float() @ self.w_mean + self.b_mean)
         if keep is not None:
             excess = excess.masked_fill(~keep, 0.0)
         self.loss_sum += self.eps * excess.sum()

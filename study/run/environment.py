@@ -70,9 +70,9 @@ def attention_kernels() -> dict[str, Any]:
 
 
 def cpu_kernels(model: Any, accelerator: str) -> dict[str, str]:
-    """Which C++ CPU kernel each axis value of `model` (a ModelConfig) that declares one runs, and beam search's
-    (encoder-decoders): "c++", or "eager" where it could not be built. Built here, before training, so that a first
-    build's seconds are not timed as training or decoding."""
+    """Which C++ CPU kernel each axis value of `model` (a ModelConfig) that declares one runs, the fused loss's (every
+    model's vocabulary projection) and beam search's (encoder-decoders): "c++", or "eager" where it could not be
+    built. Built here, before training, so that a first build's seconds are not timed as training or decoding."""
     from study.axes import ACTIVATIONS, NORMS, POSITIONS
     from study.axes.cpu_kernels import cpu_ops
 
@@ -80,6 +80,7 @@ def cpu_kernels(model: Any, accelerator: str) -> dict[str, str]:
         return {}
     values = (NORMS[model.norm], POSITIONS[model.position], ACTIVATIONS[model.activation])
     names = [value.cpu_kernel for value in values if value.cpu_kernel]
+    names.append("cross_entropy_grad")  # study.model.loss's chunks of logits
     if model.arch == "encoder-decoder":
         names.append("log_softmax_topk")  # study.model.generate's candidate selection
     return {name: "c++" if cpu_ops(name) is not None else "eager" for name in names}
