@@ -22,8 +22,12 @@ A fourth (`--attention`, skipped on a CPU without native bf16) times bf16 attent
 the shipped experiments: SDPA as it is (its fused CPU kernel, bf16 backward), what `study.model.attention` runs (the
 same forward, its float32 backward below 256 keys), and SDPA in float32; ratios to SDPA in bf16.
 
+A fifth (`--loss`) times the output projection + cross-entropy, forward + backward, at bench/throughput.py's shapes:
+the plain loss, and study.model.loss's fused one on eager ops and with its C++ pass; ratios to the plain loss.
+
     python bench/axis_cost.py                     # ~4-5 min on one AVX2 core; JSON to bench/results/
     python bench/axis_cost.py --rounds 3 --steps 1   # faster, noisier
+    python bench/axis_cost.py --skip-axes --loss --threads 2   # the norm kernels and the loss
     python bench/axis_cost.py --quick             # smoke test: 1 round, 1 step, nothing written
 """
 
@@ -219,6 +223,67 @@ def measure_attention(rounds: int, steps: int) -> dict:
     return results
 
 
+# (rows, d_model, vocab): bench/throughput.py's batch (32 x 128 tokens) at its 5M and 20M widths
+LOSS_SHAPES = ((4096, 256, 8000), (4096, 512, 8000))
+
+
+@contextlib.contextmanager
+def eager_loss():
+    """study.model.loss on its eager path (what a GPU, torch.compile or a machine without a compiler runs)."""
+    import study.model.loss as loss_module
+
+    kernel, loss_module.eager_cpu_ops = loss_module.eager_cpu_ops, lambda name, x: None
+    try:
+        yield
+    finally:
+        loss_module.eager_cpu_ops = kernel
+
+
+def loss_inputs(rows: int, d: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Final hidden states h (rows, d), a vocabulary projection W (vocab, d), targets with each sequence's last
+    position ignored (as the training steps do)."""
+    torch.manual_seed(0)
+    h = torch.randn(rows, d, requires_grad=True)
+    w = (0.02 * torch.randn(vocab, d)).requires_grad_()
+    t = torch.randint(0, vocab, (rows,))
+    t[127::128] = -100
+    return h, w, t
+
+
+def loss_fns(inputs: tuple[torch.Tensor, ...], autocast: bool) -> dict[str, Callable[[], None]]:
+    """Output projection + next-token cross-entropy, forward + backward: the plain formula (Hugging Face's loss),
+    the fused chunked loss on eager ops, and the fused loss with its C++ pass (kernels/cross_entropy_grad.cpp)."""
+    from study.model.loss import linear_cross_entropy
+
+    h, w, t = inputs
+
+    def run(loss_fn, eager: bool):
+        def call():
+            with eager_loss() if eager else contextlib.nullcontext():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = loss_fn()
+                loss.backward()
+        return call
+
+    return {
+        "plain (F.linear, F.cross_entropy)": run(lambda: F.cross_entropy(F.linear(h, w).float(), t), False),
+        "fused, eager ops": run(lambda: linear_cross_entropy(h, w, t), True),
+        "fused, C++ pass (ours)": run(lambda: linear_cross_entropy(h, w, t), False),
+    }
+
+
+def measure_loss(rounds: int, steps: int) -> dict:
+    results = {}
+    for shape in LOSS_SHAPES:
+        for autocast in (False, True):
+            key = "{} rows, d {}, vocab {}, {}".format(*shape, "bf16 autocast" if autocast else "fp32")
+            timed = time_alternating(loss_fns(loss_inputs(*shape), autocast), rounds, steps)
+            print_table(f"loss, forward + backward, {key} (ratios to the plain loss)",
+                        {n: {"fwd+bwd": t} for n, t in timed.items()}, ("fwd+bwd",))
+            results[key] = timed
+    return results
+
+
 def machine(threads: int) -> dict:
     return {"cpu": cpu_model(), **cpu_flags(), "threads": threads, "torch": torch.__version__,
             "python": platform.python_version()}
@@ -263,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-axes", action="store_true",
                         help="only the kernels (norms, and attention with --attention)")
     parser.add_argument("--attention", action="store_true", help="also bf16 attention kernels (native bf16 only)")
+    parser.add_argument("--loss", action="store_true", help="also the output projection + cross-entropy")
     parser.add_argument("--quick", action="store_true", help="1 round of 1 step; writes nothing")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default bench/results/axis-cost-<date>.json)")
@@ -279,6 +345,8 @@ def main(argv: list[str] | None = None) -> None:
 
         record["attention_kernels"] = (measure_attention(rounds, steps) if native_bf16("cpu")
                                        else "skipped: this CPU emulates bf16")
+    if args.loss:
+        record["loss"] = measure_loss(rounds, 3 * steps)
     if not args.skip_axes:
         record["axes"] = measure_axes(rounds, steps)
     record["wall_s"] = round(time.perf_counter() - start, 1)
