@@ -16,7 +16,8 @@ that round's ratio (time of the value / time of the baseline), so machine noise 
 
 A third section times RMSNorm's kernels against LayerNorm (forward + backward, fp32 and bf16 autocast): today's
 `RMSNorm` (its C++ CPU kernel, study/axes/kernels/rms_norm.cpp), its eager path (analytic backward), the plain
-formula it replaced, `F.rms_norm`, and `F.layer_norm`.
+formula it replaced, `F.rms_norm`, and `F.layer_norm`; and each activation that declares a C++ kernel through it and
+through its eager form, at bench/throughput.py's FFN shapes (ratio kernel / eager: above 1 means the kernel loses).
 
 A fourth (`--attention`, skipped on a CPU without native bf16) times bf16 attention forward + backward at shapes of
 the shipped experiments: SDPA as it is (its fused CPU kernel, bf16 backward), what `study.model.attention` runs (the
@@ -187,6 +188,45 @@ def kernel_fns(shape: tuple[int, ...], autocast: bool) -> dict[str, Callable[[],
     return {name: run(fn, "eager" in name) for name, fn in candidates.items()}
 
 
+# (tokens, d_ff): bench/throughput.py's batch (32 x 128 tokens) at GPT-2 5M's and Llama 20M's FFN widths
+ACTIVATION_SHAPES = ((4096, 1024), (4096, 1344))
+
+
+def activation_fns(shape: tuple[int, int], autocast: bool) -> dict[str, tuple[torch.Tensor, dict[str, Callable]]]:
+    """Per activation that declares a C++ CPU kernel: its input h, the FFN's hidden pre-activation (twice as wide
+    for a gated unit), and forward + backward through its eager PyTorch form (`eager`) and through the kernel
+    (`apply`)."""
+    from study.axes import ACTIVATIONS
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if autocast else torch.float32  # the input projection's output dtype
+    fns = {}
+    for name in ACTIVATIONS.names():
+        act = ACTIVATIONS[name]
+        if act.cpu_kernel is None:
+            continue
+        h = torch.randn(shape[0], shape[1] * (2 if act.gated else 1), dtype=dtype, requires_grad=True)
+        dy = torch.randn(shape[0], shape[1], dtype=dtype)
+        fns[name] = (h, {"eager": lambda act=act, h=h, dy=dy: act.eager(h).backward(dy),
+                         "C++ kernel": lambda act=act, h=h, dy=dy: act.apply(h).backward(dy)})
+    return fns
+
+
+def measure_activations(rounds: int, steps: int) -> dict:
+    results = {}
+    for shape in ACTIVATION_SHAPES:
+        for autocast in (False, True):
+            key = f"{'x'.join(map(str, shape))} {'bf16' if autocast else 'fp32'}"
+            rows = {}
+            for name, (_, fns) in activation_fns(shape, autocast).items():
+                timed = time_alternating(fns, rounds, 10 * steps)
+                rows.update({f"{name} ({path})": t for path, t in timed.items()})
+            print_table(f"activation kernels, forward + backward, {key} (ratios to the eager form)",
+                        {n: {"fwd+bwd": t} for n, t in rows.items()}, ("fwd+bwd",))
+            results[key] = rows
+    return results
+
+
 def attention_fns(b: int, nh: int, nkv: int, t: int, causal: bool) -> dict[str, Callable[[], None]]:
     """bf16 attention forward + backward, (B, nh, T, 64) queries: SDPA as it is, ours (`_sdpa`), SDPA in float32."""
     from study.model.attention import _sdpa
@@ -339,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {info}")
     start = time.perf_counter()
     record = {"machine": info, "rounds": rounds, "steps": steps, "batch": [BATCH, SEQ], "vocab": VOCAB,
-              "norm_kernels": measure_kernels(rounds, steps)}
+              "norm_kernels": measure_kernels(rounds, steps), "activation_kernels": measure_activations(rounds, steps)}
     if args.attention:
         from study.model.precision import native_bf16
 

@@ -28,3 +28,24 @@ def test_each_loss_contestant_runs_the_path_it_names(autocast):
     plain, *fused = grads.values()
     for g in fused:
         torch.testing.assert_close(g, plain, atol=(2e-2 if autocast else 1e-6) * float(plain.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_each_activation_kernel_is_timed_against_its_eager_form(autocast):
+    """Every activation that declares a kernel gets a pair, and the pair computes the same gradient by both paths."""
+    from study.axes import ACTIVATIONS
+
+    fns = axis_cost.activation_fns((64, 8), autocast)
+    assert set(fns) == {name for name in ACTIVATIONS.names() if ACTIVATIONS[name].cpu_kernel}
+    for name, (h, pair) in fns.items():
+        with torch.profiler.profile() as prof:
+            pair["C++ kernel"]()
+        kernel = ACTIVATIONS[name].cpu_kernel
+        assert f"study_{kernel}::{kernel}" in {e.key for e in prof.key_averages()}, name
+        grads = []
+        for path in ("C++ kernel", "eager"):
+            h.grad = None
+            pair[path]()
+            grads.append(h.grad.float())
+        tolerance = 2e-2 if autocast else 1e-5
+        torch.testing.assert_close(grads[0], grads[1], atol=tolerance, rtol=tolerance)
