@@ -1,18 +1,19 @@
-"""C++ CPU kernels for axis values that eager PyTorch runs as composites, and for beam search's candidate selection
-(study/model/generate.py), built on first use.
+"""C++ CPU kernels for axis values that eager PyTorch runs as composites, for the fused loss's chunks of logits
+(study/model/loss.py) and for beam search's candidate selection (study/model/generate.py), built on first use.
 
 Why by hand: an ablation must time every value at its best kernel, and torch (2.13) has no fused CPU RMSNorm, where
 LayerNorm gets one fused kernel each way (bench/README.md, "RMSNorm at its best kernel"), nor a fused CPU rotary
-embedding or gated unit (SwiGLU, GEGLU; where ReLU and GELU get one kernel each way), and its tanh-form GELU is
-slower than its erf form; no maintained library ships them for CPU tensors (Apex, Liger and FlashAttention's are
-CUDA/Triton).
+embedding or gated unit (SwiGLU, GEGLU; where ReLU and GELU get one kernel each way), its tanh-form GELU is
+slower than its erf form, and its cross-entropy makes several passes over each chunk of logits; no maintained library
+ships them for CPU tensors (Apex's, FlashAttention's and Liger's, whose fused linear cross-entropy is the model for
+study/model/loss.py, are CUDA/Triton).
 `torch.utils.cpp_extension.load` compiles `kernels/<name>.cpp` once per machine into torch's extension cache (a file
 lock guards concurrent builds), with OpenMP threads sized to `torch.get_num_threads()` at each call, as
 TorchInductor's CPU kernels do.
 
 Where no compiler or ninja is found, or STUDY_CPU_KERNELS=0, the callers keep their eager path after one warning: the
-same function (tests/test_norm_kernels.py, tests/test_rotary_kernel.py, tests/test_activation_kernels.py and
-tests/test_decode_kernels.py hold both paths to the eager formulas).
+same function (tests/test_norm_kernels.py, tests/test_rotary_kernel.py, tests/test_activation_kernels.py,
+tests/test_loss_kernel.py and tests/test_decode_kernels.py hold both paths to the eager formulas).
 """
 
 from __future__ import annotations
