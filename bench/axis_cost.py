@@ -256,10 +256,8 @@ def measure_attention(rounds: int, steps: int) -> dict:
     results = {}
     for shape in ATTENTION_SHAPES:
         key = "B{} nh{} nkv{} T{} {}".format(*shape[:4], "causal" if shape[4] else "padding")
-        timed = time_alternating(attention_fns(*shape), rounds, 5 * steps)
-        print_table(f"bf16 attention, forward + backward, {key} (ratios to SDPA bf16)",
-                    {n: {"fwd+bwd": t} for n, t in timed.items()}, ("fwd+bwd",))
-        results[key] = timed
+        results[key] = timed_table(f"bf16 attention, forward + backward, {key} (ratios to SDPA bf16)",
+                                   attention_fns(*shape), rounds, 5 * steps)
     return results
 
 
@@ -317,10 +315,8 @@ def measure_loss(rounds: int, steps: int) -> dict:
     for shape in LOSS_SHAPES:
         for autocast in (False, True):
             key = "{} rows, d {}, vocab {}, {}".format(*shape, "bf16 autocast" if autocast else "fp32")
-            timed = time_alternating(loss_fns(loss_inputs(*shape), autocast), rounds, steps)
-            print_table(f"loss, forward + backward, {key} (ratios to the plain loss)",
-                        {n: {"fwd+bwd": t} for n, t in timed.items()}, ("fwd+bwd",))
-            results[key] = timed
+            results[key] = timed_table(f"loss, forward + backward, {key} (ratios to the plain loss)",
+                                       loss_fns(loss_inputs(*shape), autocast), rounds, steps)
     return results
 
 
@@ -334,6 +330,13 @@ def print_table(title: str, rows: dict[str, dict], columns: tuple[str, ...]) -> 
     print(f"  {'value':36s}" + "".join(f"{c + ' ms':>16s}{c + ' ratio':>16s}" for c in columns))
     for name, row in rows.items():
         print(f"  {name:36s}" + "".join(f"{row[c]['ms']:16.3f}{row[c]['ratio']:15.3f}x" for c in columns))
+
+
+def timed_table(title: str, fns: dict[str, Callable[[], None]], rounds: int, calls: int) -> dict:
+    """`time_alternating` of forward + backward callables, printed as one table."""
+    timed = time_alternating(fns, rounds, calls)
+    print_table(title, {n: {"fwd+bwd": t} for n, t in timed.items()}, ("fwd+bwd",))
+    return timed
 
 
 def measure_axes(rounds: int, steps: int) -> dict:
@@ -353,10 +356,8 @@ def measure_kernels(rounds: int, steps: int) -> dict:
     for shape in KERNEL_SHAPES:
         for autocast in (False, True):
             key = f"{'x'.join(map(str, shape))} {'bf16 autocast' if autocast else 'fp32'}"
-            timed = time_alternating(kernel_fns(shape, autocast), rounds, 10 * steps)
-            print_table(f"norm kernels, forward + backward, {key} (ratios to LayerNorm)",
-                        {n: {"fwd+bwd": t} for n, t in timed.items()}, ("fwd+bwd",))
-            results[key] = timed
+            results[key] = timed_table(f"norm kernels, forward + backward, {key} (ratios to LayerNorm)",
+                                       kernel_fns(shape, autocast), rounds, 10 * steps)
     return results
 
 
