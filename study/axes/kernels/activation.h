@@ -20,26 +20,12 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "vec_math.h"
+
 #include <cstdint>
 #include <vector>
 
 namespace study_kernels {
-
-// Loads and stores by bit operations, so that `omp simd` vectorises the bf16 loops (c10::BFloat16's conversions do
-// not vectorise: the bf16 kernel ran 2.4x slower than eager PyTorch with them). bf16 is float's upper half; a store
-// rounds to nearest even, as c10 does, NaN kept NaN.
-inline float load(const float* p, int64_t j) { return p[j]; }
-inline double load(const double* p, int64_t j) { return p[j]; }
-inline float load(const at::BFloat16* p, int64_t j) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[j]) << 16);
-}
-inline void store(float* p, int64_t j, float v) { p[j] = v; }
-inline void store(double* p, int64_t j, double v) { p[j] = v; }
-inline void store(at::BFloat16* p, int64_t j, float v) {
-  const uint32_t bits = __builtin_bit_cast(uint32_t, v);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  reinterpret_cast<uint16_t*>(p)[j] = static_cast<uint16_t>(v != v ? 0x7FC0u : rounded);
-}
 
 template <typename Act, typename T>
 void glu_forward_rows(const T* h, T* out, int64_t rows, int64_t F, int threads) {

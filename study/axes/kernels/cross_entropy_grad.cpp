@@ -31,25 +31,8 @@
 namespace {
 
 using study_kernels::exp_nonpositive;
-
-inline void load(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint32_t>(bits[j]) << 16;  // bf16 is float's upper half
-}
-
-// float -> bfloat16, round to nearest even (c10's rule), NaN kept a quiet NaN; written branch-free to vectorise.
-inline void store(const float* src, at::BFloat16* dst, int64_t n) {
-  const uint32_t* in = reinterpret_cast<const uint32_t*>(src);
-  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t u = in[j];
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    bits[j] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-  }
-}
+using study_kernels::load;
+using study_kernels::store;
 
 // One row: nll returned, the row's gradient left in x (float32 scratch).
 inline float row_loss_and_grad(float* x, int64_t V, int64_t t, float target_weight) {
@@ -94,9 +77,11 @@ int64_t rows_loss_and_grad(T* logits, const int64_t* targets, int64_t R, int64_t
       if constexpr (std::is_same_v<T, float>) {  // float32 rows are their own scratch
         nll[r] = row_loss_and_grad(row, V, t, target_weight);
       } else {
-        load(row, x, V);
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) x[j] = load(row, j);
         nll[r] = row_loss_and_grad(x, V, t, target_weight);
-        store(x, row, V);
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) store(row, j, x[j]);
       }
     }
   }
@@ -136,10 +121,10 @@ void accumulate_(at::Tensor& acc, const at::Tensor& src) {
   TORCH_CHECK(src.scalar_type() == at::kBFloat16 && src.is_contiguous() && src.sizes() == acc.sizes(),
               "accumulate_: a contiguous bfloat16 tensor of the accumulator's shape");
   float* a = acc.data_ptr<float>();
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>());
+  const at::BFloat16* s = src.data_ptr<at::BFloat16>();
   const int64_t n = acc.numel();
 #pragma omp parallel for simd num_threads(at::get_num_threads()) schedule(static)
-  for (int64_t j = 0; j < n; ++j) a[j] += __builtin_bit_cast(float, static_cast<uint32_t>(bits[j]) << 16);
+  for (int64_t j = 0; j < n; ++j) a[j] += load(s, j);
 }
 
 }  // namespace

@@ -31,15 +31,7 @@ using study_kernels::exp_nonpositive;
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-}
-
-template <>
-inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint32_t>(bits[j]) << 16;  // bf16 is float's upper half
+  for (int64_t j = 0; j < n; ++j) dst[j] = study_kernels::load(src, j);
 }
 
 // Insert (v, id) into the descending list vals/ids of `count` entries (at most k), after entries equal to v.

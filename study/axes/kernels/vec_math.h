@@ -2,6 +2,9 @@
 // build's flags, so that editing it rebuilds them).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cmath>
 #include <cstdint>
 
@@ -27,5 +30,22 @@ inline float exp_nonpositive(float x) {
 
 // float64 (gradcheck's dtype, not a hot path): the library's exp, so that a kernel's formula can be one template.
 inline double exp_nonpositive(double x) { return std::exp(x); }
+
+// Loads and stores by bit operations, so that `omp simd` vectorises the bf16 loops (c10::BFloat16's conversions do
+// not vectorise: the SwiGLU kernel ran 2.4x slower than eager PyTorch with them). bf16 is float's upper half; a store
+// rounds to nearest even, as c10 does, NaN kept NaN.
+inline float load(const float* p, int64_t j) { return p[j]; }
+inline double load(const double* p, int64_t j) { return p[j]; }
+inline float load(const c10::Half* p, int64_t j) { return static_cast<float>(p[j]); }
+inline float load(const c10::BFloat16* p, int64_t j) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[j]) << 16);
+}
+inline void store(float* p, int64_t j, float v) { p[j] = v; }
+inline void store(double* p, int64_t j, double v) { p[j] = v; }
+inline void store(c10::BFloat16* p, int64_t j, float v) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, v);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  reinterpret_cast<uint16_t*>(p)[j] = static_cast<uint16_t>(v != v ? 0x7FC0u : rounded);
+}
 
 }  // namespace study_kernels
