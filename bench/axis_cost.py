@@ -21,7 +21,9 @@ through its eager form, at bench/throughput.py's FFN shapes (ratio kernel / eage
 
 A fourth (`--attention`, skipped on a CPU without native bf16) times bf16 attention forward + backward at shapes of
 the shipped experiments: SDPA as it is (its fused CPU kernel, bf16 backward), what `study.model.attention` runs (the
-same forward, its float32 backward below 256 keys), and SDPA in float32; ratios to SDPA in bf16.
+same forward; below 256 keys its own backward: batched GEMMs around two C++ passes), the same with the kernel's
+float32 backward instead (what runs without a compiler, and what ran before the C++ backward), and SDPA in float32;
+ratios to SDPA in bf16.
 
 A fifth (`--loss`) times the output projection + cross-entropy, forward + backward, at bench/throughput.py's shapes:
 the plain loss, and study.model.loss's fused one on eager ops and with its C++ pass; ratios to the plain loss.
@@ -228,7 +230,8 @@ def measure_activations(rounds: int, steps: int) -> dict:
 
 
 def attention_fns(b: int, nh: int, nkv: int, t: int, causal: bool) -> dict[str, Callable[[], None]]:
-    """bf16 attention forward + backward, (B, nh, T, 64) queries: SDPA as it is, ours (`_sdpa`), SDPA in float32."""
+    """bf16 attention forward + backward, (B, nh, T, 64) queries: SDPA as it is, ours (`_sdpa`) with and without its
+    C++ backward, SDPA in float32."""
     from study.model.attention import _sdpa
 
     torch.manual_seed(0)
@@ -246,10 +249,24 @@ def attention_fns(b: int, nh: int, nkv: int, t: int, causal: bool) -> dict[str, 
         "sdpa bf16 (as it is)": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal,
                                                                        enable_gqa=gqa).backward(dy),
         "ours": lambda: _sdpa(q, k, v, bias, causal, 0.0, nh // nkv).backward(dy),
+        "ours, float32 backward": lambda: _without_attention_kernel(
+            lambda: _sdpa(q, k, v, bias, causal, 0.0, nh // nkv).backward(dy)),
         "sdpa float32": lambda: F.scaled_dot_product_attention(q32, k32, v32, attn_mask=bias32, is_causal=causal,
                                                                enable_gqa=gqa).backward(dy.float()),
     }
     return candidates
+
+
+def _without_attention_kernel(fn: Callable[[], None]) -> None:
+    """Run fn with study.model.attention's C++ backward off: its fallback, the fused kernel's float32 backward."""
+    from study.model import attention
+
+    real = attention.eager_cpu_ops
+    attention.eager_cpu_ops = lambda *args: None
+    try:
+        fn()
+    finally:
+        attention.eager_cpu_ops = real
 
 
 def measure_attention(rounds: int, steps: int) -> dict:

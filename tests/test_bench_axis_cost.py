@@ -49,3 +49,23 @@ def test_each_activation_kernel_is_timed_against_its_eager_form(autocast):
             grads.append(h.grad.float())
         tolerance = 2e-2 if autocast else 1e-5
         torch.testing.assert_close(grads[0], grads[1], atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_each_attention_contestant_runs_the_path_it_names(causal):
+    """"ours" runs the C++ backward, "ours, float32 backward" the fused kernel's float32 one, SDPA neither; the switch
+    is put back after each call."""
+    from study.axes.cpu_kernels import cpu_ops
+    from study.model import attention
+
+    if cpu_ops("attention_grad") is None or attention._cpu_flash_backward is None:
+        pytest.skip("no C++ kernel or no CPU flash kernel here")
+    fns = axis_cost.attention_fns(2, 4, 2, 16, causal)
+    assert set(fns) == {"sdpa bf16 (as it is)", "ours", "ours, float32 backward", "sdpa float32"}
+    for name, fn in fns.items():
+        with torch.profiler.profile() as prof:
+            fn()
+        ran = {e.key for e in prof.key_averages()}
+        assert ("study_attention_grad::score_grad_" in ran) == (name == "ours"), name
+        assert ("_CpuShortAttentionBackward" in ran) == name.startswith("ours"), name
+        assert attention.eager_cpu_ops.__name__ == "eager_cpu_ops"

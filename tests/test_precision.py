@@ -109,9 +109,9 @@ def test_a_run_records_the_gpus_its_worker_gave_it(monkeypatch):
 
 
 def test_a_cpu_run_names_the_compiled_kernels_its_axis_values_run(monkeypatch):
-    """RMSNorm, RoPE, SwiGLU, GEGLU and GELU-tanh declare C++ CPU kernels, every model's fused loss has one and an
-    encoder-decoder's beam search another; a CPU run builds them before training and env.json says which path each
-    ran."""
+    """RMSNorm, RoPE, SwiGLU, GEGLU and GELU-tanh declare C++ CPU kernels, every model's fused loss has one, bf16
+    training's attention backward one and an encoder-decoder's beam search another; a CPU run builds them before
+    training and env.json says which path each ran."""
     import study.axes.cpu_kernels as cpu_kernels_module
     from study.config import preset
     from study.run.environment import cpu_kernels
@@ -125,6 +125,9 @@ def test_a_cpu_run_names_the_compiled_kernels_its_axis_values_run(monkeypatch):
     assert cpu_kernels(preset("llama2"), "gpu") == {}
     assert cpu_kernels(preset("vaswani"), "cpu") == {"log_softmax_topk": "c++", **loss}
     assert cpu_kernels(preset("vaswani"), "gpu") == {}
+    bf16 = {"rms_norm": "c++", "rotary": "c++", "swiglu": "c++", **loss, "attention_grad": "c++"}
+    assert cpu_kernels(preset("llama2"), "cpu", "bf16-mixed") == bf16  # bf16 training: attention's backward too
+    assert cpu_kernels(preset("llama2"), "cpu", "16-mixed") == bf16  # what Lightning runs on a CPU for 16-mixed
     not_built = {"rms_norm": None, "rotary": None, "swiglu": None, "cross_entropy_grad": None}
     monkeypatch.setattr(cpu_kernels_module, "_loaded", not_built)
     assert cpu_kernels(preset("llama2"), "cpu") == dict.fromkeys(not_built, "eager")
@@ -134,20 +137,24 @@ def test_a_cpu_run_names_the_compiled_kernels_its_axis_values_run(monkeypatch):
 def test_a_llama_training_step_runs_every_kernel_it_declares(autocast):
     """RMSNorm's, RoPE's, SwiGLU's and the loss's C++ kernels are built on a CPU (a machine that runs the suite has a
     compiler) and a training step's forward and backward call each of them, in float32 and under bf16 autocast (where
-    the loss also adds W's bfloat16 share to its float32 gradient in C++)."""
+    the loss also adds W's bfloat16 share to its float32 gradient in C++, and attention's backward runs in C++)."""
     from study.config import preset
     from study.model import build_model
     from study.run.environment import cpu_kernels
 
     cfg = preset("llama2", vocab_size=50, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
-    declared = cpu_kernels(cfg, "cpu")
-    assert declared == {"rms_norm": "c++", "rotary": "c++", "swiglu": "c++", "cross_entropy_grad": "c++"}
+    declared = cpu_kernels(cfg, "cpu", "bf16-mixed" if autocast else "32-true")
+    attention = {"attention_grad": "c++"} if autocast else {}
+    assert declared == {"rms_norm": "c++", "rotary": "c++", "swiglu": "c++", "cross_entropy_grad": "c++", **attention}
     x = torch.randint(0, 50, (2, 7))
     with torch.profiler.profile() as prof, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         build_model(cfg).loss(x, x).backward()
     ran = {e.key for e in prof.key_averages()}
     expected = [f"study_{name}::{name}" for name in ("rms_norm", "rotary", "swiglu")]
-    expected += ["study_cross_entropy_grad::forward_"] + (["study_cross_entropy_grad::accumulate_"] if autocast else [])
+    expected += ["study_cross_entropy_grad::forward_"]
+    if autocast:
+        expected += ["study_cross_entropy_grad::accumulate_", "study_attention_grad::probs_",
+                     "study_attention_grad::score_grad_"]
     for op in expected:
         assert op in ran, (op, sorted(k for k in ran if k.startswith("study_")))
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from study.axes.cpu_kernels import eager_cpu_ops
 from study.axes.position import apply_rotary
 
 # Added to the scores of key positions a query must not see. Finite (not -inf) so a
@@ -216,17 +217,21 @@ def share_kv_in_kernel(bias: torch.Tensor | None, device: torch.device, dtype: t
 # bf16 against 2.7 ms with the same forward and the float32 backward, (32, 8, 128, 64) 55 against 27 ms; the two meet
 # at 256 keys (45 ms each) and bf16 wins beyond (384 keys: 37 against 42 ms). On a Zen 4 EPYC (AVX-512 BF16, no
 # AMX, 1 thread) the same holds: 17.9 against 5.7 ms at Multi30k's shape, 0.96x at 255 keys, parity from 256. Below
-# this many keys a half-precision CPU training step keeps the kernel's forward and runs its backward in float32
-# (bench/axis_cost.py --attention).
-_CPU_FLOAT32_BACKWARD_BELOW = 256
+# this many keys a half-precision CPU training step keeps the kernel's forward and runs its own backward
+# (`_CpuShortAttention`; bench/axis_cost.py --attention).
+_CPU_SHORT_BACKWARD_BELOW = 256
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _cpu_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-class _CpuFlashFloat32Backward(torch.autograd.Function):
-    """SDPA's CPU flash kernel in q's dtype forward; its backward in float32 from the same saved output and
-    log-sum-exp, gradients returned in the inputs' dtypes. Outputs equal SDPA's; gradients are SDPA's up to rounding
-    (closer to float64 than the half-precision backward: tests/test_attention_kernels.py)."""
+class _CpuShortAttention(torch.autograd.Function):
+    """SDPA's CPU flash kernel in q's dtype forward, saving its output and log-sum-exp; the backward from those.
+
+    bf16 with the C++ kernel (study/axes/kernels/attention_grad.cpp): the flash backward's formulas as five batched
+    GEMMs around two fused passes over the (B, H, T, Tk) scores, small below 256 keys (`_bf16_short_backward`).
+    Otherwise (fp16, or no compiler) the kernel's float32 backward from float32 copies. Outputs equal SDPA's;
+    gradients are SDPA's up to rounding, no further from float64 than SDPA's own half-precision backward
+    (tests/test_attention_kernels.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, is_causal):
@@ -238,15 +243,41 @@ class _CpuFlashFloat32Backward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        bias = None if ctx.bias is None else ctx.bias.float()
-        with torch.autocast("cpu", enabled=False):  # a backward called inside autocast must stay float32
-            dq, dk, dv = _cpu_flash_backward(grad_out.float().contiguous(), q.float(), k.float(), v.float(),
-                                             out.float(), lse, 0.0, ctx.is_causal, attn_mask=bias)
+        ops = eager_cpu_ops("attention_grad", q) if q.dtype == torch.bfloat16 else None
+        with torch.autocast("cpu", enabled=False):  # a backward called inside autocast keeps the dtypes chosen here
+            if ops is not None:
+                dq, dk, dv = _bf16_short_backward(ops, grad_out.to(q.dtype), q, k, v, out, lse, ctx.bias,
+                                                  ctx.is_causal)
+            else:
+                bias = None if ctx.bias is None else ctx.bias.float()
+                dq, dk, dv = _cpu_flash_backward(grad_out.float().contiguous(), q.float(), k.float(), v.float(),
+                                                 out.float(), lse, 0.0, ctx.is_causal, attn_mask=bias)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _float32_backward_pays(q, k, v, bias, dropout_p) -> bool:
-    """Whether this SDPA call is a half-precision CPU training call short enough for `_CpuFlashFloat32Backward`:
+def _bf16_short_backward(ops, grad_out, q, k, v, out, lse, bias, is_causal):
+    """dq, dk, dv of softmax(q k^T / sqrt(hs) + bias) v (Dao 2023, Algorithm 2, P recomputed from the log-sum-exp),
+    batched per K/V head: the query heads sharing one (GQA) are stacked as rows, so dk and dv sum over them inside
+    the GEMM. S, dP and D in float32 (a bf16 dP raised dq's error by 40%); P and dS rounded to bf16 for their GEMMs."""
+    b, nh, t, hs = q.shape
+    nkv, tk = k.shape[1], k.shape[2]
+    g, rows = b * nkv, (nh // nkv) * t
+    scale = hs**-0.5
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()  # the C++ pass reads rows of hs
+    qg, kg, vg = q.reshape(g, rows, hs), k.reshape(g, tk, hs), v.reshape(g, tk, hs)
+    dog = grad_out.reshape(g, rows, hs)
+    scores = torch.bmm(qg.float(), kg.float().transpose(1, 2))  # (g, rows, tk) = (B, nh, T, Tk)
+    p16 = ops.probs_(scores.view(b, nh, t, tk), lse, bias, is_causal, scale)  # scores become P; p16 = P in bf16
+    dv = torch.bmm(p16.view(g, rows, tk).transpose(1, 2), dog)  # (g, tk, hs)
+    dp = torch.bmm(dog.float(), vg.float().transpose(1, 2))  # (g, rows, tk)
+    ops.score_grad_(p16, dp.view(b, nh, t, tk), scores.view(b, nh, t, tk), grad_out, out, scale)  # p16 becomes dS
+    ds = p16.view(g, rows, tk)
+    dq, dk = torch.bmm(ds, kg), torch.bmm(ds.transpose(1, 2), qg)
+    return dq.view(b, nh, t, hs), dk.view(b, nkv, tk, hs), dv.view(b, nkv, tk, hs)
+
+
+def _short_backward_pays(q, k, v, bias, dropout_p) -> bool:
+    """Whether this SDPA call is a half-precision CPU training call short enough for `_CpuShortAttention`:
     no dropout and no learned bias (the kernel computes no bias gradient, so SDPA itself picks the math kernel for
     T5's bias), and K/V heads the kernel shares itself or as many as q's."""
     return (
@@ -257,14 +288,14 @@ def _float32_backward_pays(q, k, v, bias, dropout_p) -> bool:
         and (q.requires_grad or k.requires_grad or v.requires_grad)
         and dropout_p == 0.0
         and (bias is None or not bias.requires_grad)
-        and k.shape[-2] < _CPU_FLOAT32_BACKWARD_BELOW
+        and k.shape[-2] < _CPU_SHORT_BACKWARD_BELOW
         and (k.shape[1] == q.shape[1] or _SDPA_HAS_GQA)
     )
 
 
 def _sdpa(q, k, v, bias, is_causal, dropout_p, n_rep):
-    if _float32_backward_pays(q, k, v, bias, dropout_p):
-        return _CpuFlashFloat32Backward.apply(q, k, v, bias, is_causal)
+    if _short_backward_pays(q, k, v, bias, dropout_p):
+        return _CpuShortAttention.apply(q, k, v, bias, is_causal)
     if n_rep > 1:
         if share_kv_in_kernel(bias, q.device, q.dtype):
             return F.scaled_dot_product_attention(

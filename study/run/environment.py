@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from study.model.precision import native_bf16, tf32_enabled, trains_on_cpu
+from study.model.precision import native_bf16, resolve_precision, tf32_enabled, trains_on_cpu
 
 PACKAGES = ("torch", "lightning", "optuna", "tokenizers", "datasets", "sacrebleu", "transformers", "numpy", "pandas")
 
@@ -66,13 +66,15 @@ def attention_kernels() -> dict[str, Any]:
             "math": torch.backends.cuda.math_sdp_enabled(),
         }
     return {"cpu": "fused SDPA (flash-style CPU kernel; math fallback); half-precision training below 256 keys: "
-                   "its forward, its float32 backward (study.model.attention)"}
+                   "its forward, our backward (bf16: batched GEMMs and C++ passes; fp16: its float32 backward; "
+                   "study.model.attention)"}
 
 
-def cpu_kernels(model: Any, accelerator: str) -> dict[str, str]:
+def cpu_kernels(model: Any, accelerator: str, precision: str = "32-true") -> dict[str, str]:
     """Which C++ CPU kernel each axis value of `model` (a ModelConfig) that declares one runs, the fused loss's (every
-    model's vocabulary projection) and beam search's (encoder-decoders): "c++", or "eager" where it could not be
-    built. Built here, before training, so that a first build's seconds are not timed as training or decoding."""
+    model's vocabulary projection), the attention backward's (bf16 training: study.model.attention) and beam search's
+    (encoder-decoders): "c++", or "eager" where it could not be built. Built here, before training, so that a first
+    build's seconds are not timed as training or decoding."""
     from study.axes import ACTIVATIONS, NORMS, POSITIONS
     from study.axes.cpu_kernels import cpu_ops
 
@@ -81,6 +83,8 @@ def cpu_kernels(model: Any, accelerator: str) -> dict[str, str]:
     values = (NORMS[model.norm], POSITIONS[model.position], ACTIVATIONS[model.activation])
     names = [value.cpu_kernel for value in values if value.cpu_kernel]
     names.append("cross_entropy_grad")  # study.model.loss's chunks of logits
+    if resolve_precision(precision, accelerator) == "bf16-mixed":
+        names.append("attention_grad")  # short attention's bf16 backward
     if model.arch == "encoder-decoder":
         names.append("log_softmax_topk")  # study.model.generate's candidate selection
     return {name: "c++" if cpu_ops(name) is not None else "eager" for name in names}
