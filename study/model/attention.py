@@ -218,7 +218,8 @@ def share_kv_in_kernel(bias: torch.Tensor | None, device: torch.device, dtype: t
 # at 256 keys (45 ms each) and bf16 wins beyond (384 keys: 37 against 42 ms). On a Zen 4 EPYC (AVX-512 BF16, no
 # AMX, 1 thread) the same holds: 17.9 against 5.7 ms at Multi30k's shape, 0.96x at 255 keys, parity from 256. Below
 # this many keys a half-precision CPU training step keeps the kernel's forward and runs its own backward
-# (`_CpuShortAttention`; bench/axis_cost.py --attention).
+# (`_CpuShortAttention`; bench/axis_cost.py --attention). Its bf16 form (batched GEMMs) crosses SDPA's bf16 path at the
+# same length (Xeon, 2 threads, (16, 8, T, 64) causal: 41.7 against 44.2 ms at 255 keys, 47.8 against 43.2 at 256).
 _CPU_SHORT_BACKWARD_BELOW = 256
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _cpu_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
