@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import importlib
 import json
 import platform
 import statistics
@@ -245,28 +246,20 @@ def attention_fns(b: int, nh: int, nkv: int, t: int, causal: bool) -> dict[str, 
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     bias32 = None if bias is None else bias.float()
     gqa = nh != nkv
+
+    def float32_backward():
+        with eager_path("study.model.attention"):  # the backward is where the kernel would be picked
+            _sdpa(q, k, v, bias, causal, 0.0, nh // nkv).backward(dy)
+
     candidates = {
         "sdpa bf16 (as it is)": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal,
                                                                        enable_gqa=gqa).backward(dy),
         "ours": lambda: _sdpa(q, k, v, bias, causal, 0.0, nh // nkv).backward(dy),
-        "ours, float32 backward": lambda: _without_attention_kernel(
-            lambda: _sdpa(q, k, v, bias, causal, 0.0, nh // nkv).backward(dy)),
+        "ours, float32 backward": float32_backward,
         "sdpa float32": lambda: F.scaled_dot_product_attention(q32, k32, v32, attn_mask=bias32, is_causal=causal,
                                                                enable_gqa=gqa).backward(dy.float()),
     }
     return candidates
-
-
-def _without_attention_kernel(fn: Callable[[], None]) -> None:
-    """Run fn with study.model.attention's C++ backward off: its fallback, the fused kernel's float32 backward."""
-    from study.model import attention
-
-    real = attention.eager_cpu_ops
-    attention.eager_cpu_ops = lambda *args: None
-    try:
-        fn()
-    finally:
-        attention.eager_cpu_ops = real
 
 
 def measure_attention(rounds: int, steps: int) -> dict:
@@ -283,15 +276,16 @@ LOSS_SHAPES = ((4096, 256, 8000), (4096, 512, 8000))
 
 
 @contextlib.contextmanager
-def eager_loss():
-    """study.model.loss on its eager path (what a GPU, torch.compile or a machine without a compiler runs)."""
-    import study.model.loss as loss_module
-
-    kernel, loss_module.eager_cpu_ops = loss_module.eager_cpu_ops, lambda name, x: None
+def eager_path(module_name: str):
+    """`module_name` (study.model.loss, study.model.attention) without its C++ CPU kernels: the eager path a GPU,
+    torch.compile or a machine without a compiler runs (for attention's bf16 backward, the fused kernel's float32
+    one)."""
+    module = importlib.import_module(module_name)
+    kernel, module.eager_cpu_ops = module.eager_cpu_ops, lambda name, x: None
     try:
         yield
     finally:
-        loss_module.eager_cpu_ops = kernel
+        module.eager_cpu_ops = kernel
 
 
 def loss_inputs(rows: int, d: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -314,7 +308,7 @@ def loss_fns(inputs: tuple[torch.Tensor, ...], autocast: bool) -> dict[str, Call
 
     def run(loss_fn, eager: bool):
         def call():
-            with eager_loss() if eager else contextlib.nullcontext():
+            with eager_path("study.model.loss") if eager else contextlib.nullcontext():
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     loss = loss_fn()
                 loss.backward()
