@@ -157,6 +157,19 @@ def test_a_metric_no_variant_has_is_not_drawn(tmp_path):
     assert not list((tmp_path / "out" / "figures").glob("*.png"))
 
 
+def test_regenerating_a_figure_rewrites_the_same_svg_bytes(tmp_path):
+    """A committed report's figures do not change when nothing they show changed: no date, no random element ids."""
+    root = make_synthetic_sweep(tmp_path / "s", axes={"norm": ["rmsnorm", "layernorm"]}, partial=False,
+                                problems=False, with_runs=False, seeds=(0, 1))
+    drawn = []
+    for out in ("a", "b"):
+        (figure,) = make_figures(load_results(root), tmp_path / out, formats=("svg",), kinds=("paired",))
+        (path,) = figure.paths
+        drawn.append(path.read_bytes())
+    assert drawn[0] == drawn[1]
+    assert b"<dc:date>" not in drawn[0]
+
+
 class _CurvesOnlyTraining:
     """Results whose logs hold training losses and one gradient-norm step only: no validation curve at all."""
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import pandas as pd
 import seaborn as sns
@@ -481,7 +482,9 @@ def save_figure(fig: Figure, directory: Path, name: str, formats=("png", "svg"))
     paths = []
     for i, ext in enumerate(formats):
         path = directory / f"{name}.{ext}"
-        fig.savefig(path, dpi=150 if ext == "png" else None)
+        # No date and fixed element ids in an SVG: regenerating a committed report rewrites no unchanged figure.
+        with matplotlib.rc_context({"svg.hashsalt": name}):
+            fig.savefig(path, dpi=150 if ext == "png" else None, metadata={"Date": None} if ext == "svg" else None)
         paths.append(path)
         if i == 0:  # the layout is settled by the first draw; don't solve it again for the other formats
             try:
