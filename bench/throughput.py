@@ -22,6 +22,10 @@ median of per-round ratios. On a CPU each contestant runs in a process of its ow
 training does (`ContestantProcess` says what sharing one did), warms up `--warmup` steps, and at
 each turn runs `--rewarm` untimed steps before its timed ones; each records the minor page faults
 and system time of its timed steps (a step that allocates fresh memory pays the kernel for it).
+Every contestant's process, and every memory probe, keeps the memory a step frees for the next
+step to reuse, as study's CPU training processes do (`study.run.environment.reuse_freed_memory`);
+`--malloc default` leaves glibc's thresholds, under which Hugging Face's larger temporaries are
+mapped afresh every step (bench/README.md, "Freed memory kept for reuse").
 
 Peak memory is measured per (contestant, arch, size, dtype) in a fresh subprocess: build the
 model, optimizer and batch, read the resident set size (RSS), reset the kernel's high-water
@@ -365,7 +369,7 @@ def cuda_memory_probe(impl: str, arch: str, size: str, dtype: str, optimizer: st
 def this_script(role: str, spec: str, args) -> list[str]:
     """The command that runs this file as a helper process (`--_probe` or `--_contestant`) with the run's options."""
     return [sys.executable, str(Path(__file__).resolve()), role, spec, "--threads", str(args.threads),
-            "--optimizer", args.optimizer]
+            "--optimizer", args.optimizer, "--malloc", args.malloc]
 
 
 def run_probe(impl: str, arch: str, size: str, dtype: str, args) -> dict:
@@ -619,12 +623,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force-bf16", action="store_true",
                     help="run bf16 even where this CPU has no native bf16 matmul (very slow there)")
     ap.add_argument("--compile", action="store_true", help="torch.compile every contestant (ours uses the plain loss)")
+    ap.add_argument("--malloc", choices=["reuse", "default"], default="reuse",
+                    help="reuse: every contestant's process keeps the memory a step frees for the next, as study's CPU "
+                         "training processes do (study.run.environment.reuse_freed_memory); default: glibc's own")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/throughput-<date>.json)")
     ap.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_contestant", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    if (args._contestant or args._probe) and args.malloc == "reuse":
+        from study.run.environment import reuse_freed_memory
+
+        reuse_freed_memory(args.device)
     if args._contestant:
         serve_contestant(args._contestant, args)
         return 0
@@ -666,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": load(),
         "hostname": platform.node(),
         "device": args.device,
+        "malloc": args.malloc,  # the same in every contestant's process and memory probe
     }
     if on_gpu:
         from study.model.precision import enable_tf32

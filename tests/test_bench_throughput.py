@@ -38,6 +38,7 @@ def test_each_contestant_runs_in_its_own_process_and_reports_its_faults(tmp_path
 
 
 def test_a_contestant_that_dies_is_named():
-    args = throughput.argparse.Namespace(threads=1, optimizer="fused", warmup=1, rewarm=0, compile=False)
+    args = throughput.argparse.Namespace(threads=1, optimizer="fused", malloc="reuse", warmup=1, rewarm=0,
+                                         compile=False)
     with pytest.raises(RuntimeError, match="contestant ours exited with code 1"):
         throughput.ContestantProcess("ours", "llama", "1T", "fp32", args)  # no such size: it dies building

@@ -8,6 +8,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import platform
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ from study.config import ConfigError, ExperimentConfig
 from study.model.accounting import kv_cache_bytes_per_token
 from study.model.precision import resolve_precision
 from study.run import run_experiment
+from study.run.environment import CPU_MALLOC
 from test_glue_task import glue_cfg, write_glue
 from test_lm_task import make_cfg as lm_cfg
 from test_lm_task import write_corpus
@@ -79,7 +84,10 @@ def test_a_run_records_what_auto_resolved_to(native, tmp_path, monkeypatch):
     expected = "bf16-mixed" if native else "32-true"
     assert m["status"] == "completed"
     assert ExperimentConfig.from_yaml((tmp_path / "run" / "config.yaml").read_text()).train.precision == expected
-    assert json.loads((tmp_path / "run" / "env.json").read_text())["precision"] == expected
+    env = json.loads((tmp_path / "run" / "env.json").read_text())
+    assert env["precision"] == expected
+    if platform.libc_ver()[0] == "glibc":  # the process keeps what a step frees for the next (reuse_freed_memory)
+        assert env["malloc"] == CPU_MALLOC
     resolved = ExperimentConfig.from_yaml((tmp_path / "run" / "config.yaml").read_text())
     assert m["cost"]["kv_cache_bytes_per_token"] == kv_cache_bytes_per_token(resolved.model, 2 if native else 4)
     # the same config run again on the same machine finds its finished run
@@ -96,6 +104,41 @@ def test_a_run_names_the_cpu_kind_its_numbers_come_from():
     assert env["cpu_model"]
     assert set(env["cpu_flags"]) == set(CPU_FLAGS)
     assert env["cpu_flags"]["avx512_bf16"] == torch.cpu._is_avx512_bf16_supported()
+
+
+_STEPS_FAULTS = """
+import resource, sys, torch
+from study.run.environment import reuse_freed_memory
+print(reuse_freed_memory(sys.argv[1]))
+x = torch.ones(1 << 20)  # 4 MiB
+
+
+def step():  # activations of a few sizes, all freed by the step's end: 64, 12, 4, 48 and 64 MiB
+    return sum(t.sum() for t in [x.repeat(n) for n in (16, 3, 1, 12, 16)])
+
+
+for _ in range(5):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="sets glibc's malloc thresholds")
+@pytest.mark.parametrize("accelerator", ["cpu", "gpu"])
+def test_a_cpu_training_process_reuses_the_memory_a_step_freed(accelerator):
+    """glibc maps a large block afresh at each allocation, so each CPU training step faulted its activations' pages
+    in again (bench/README.md, "Freed memory kept for reuse"); a CPU training process keeps freed memory instead, and
+    later steps fault few (a block that no freed hole fits yet still faults). GPU runs keep glibc's defaults: host memory is not their step's."""
+    out = subprocess.run([sys.executable, "-c", _STEPS_FAULTS, accelerator], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    touched = 3 * (64 + 12 + 4 + 48 + 64 << 20) // resource.getpagesize()
+    if accelerator == "cpu":
+        assert out[0] == str(CPU_MALLOC) and int(out[1]) < touched // 4  # glibc's defaults: all of them
+    else:
+        assert out[0] == "{}" and int(out[1]) > touched // 2
 
 
 def test_a_run_records_the_gpus_its_worker_gave_it(monkeypatch):
