@@ -387,7 +387,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rounds, steps = (1, 1) if args.quick else (args.rounds, args.steps)
     torch.set_num_threads(args.threads)
-    info = machine(args.threads)
+    from study.run.environment import reuse_freed_memory
+
+    info = machine(args.threads) | {"malloc": reuse_freed_memory("cpu")}  # as study's CPU training processes run
     print(f"machine: {info}")
     start = time.perf_counter()
     record = {"machine": info, "rounds": rounds, "steps": steps, "batch": [BATCH, SEQ], "vocab": VOCAB,

@@ -75,12 +75,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from study.run.environment import reuse_freed_memory
+
+    malloc = reuse_freed_memory("cpu")  # as study's CPU training processes and bench/throughput.py's contestants run
     impls = args.impls.split(",")
     models, _ = tp.build_models(args.arch, args.size, impls, torch.device("cpu"))  # the CPU step (GPU: no profile)
     x = torch.randint(0, tp.VOCAB, (tp.BATCH, tp.SEQ))
     t = tp.shifted_targets(x)
     record = {"arch": args.arch, "size": args.size, "dtype": args.dtype, "threads": args.threads,
-              "steps": args.steps, "cpu": tp.cpu_model(), "contestants": {}}
+              "steps": args.steps, "cpu": tp.cpu_model(), "malloc": malloc, "contestants": {}}
     for impl in impls:
         contestant = tp.Contestant(impl, models[impl], "fused", bf16=args.dtype == "bf16")
         rows, groups = profile_contestant(contestant, x, t, args.steps)
