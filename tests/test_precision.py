@@ -131,7 +131,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_a_cpu_training_process_reuses_the_memory_a_step_freed(accelerator):
     """glibc maps a large block afresh at each allocation, so each CPU training step faulted its activations' pages
     in again (bench/README.md, "Freed memory kept for reuse"); a CPU training process keeps freed memory instead, and
-    later steps fault few (a block that no freed hole fits yet still faults). GPU runs keep glibc's defaults: host memory is not their step's."""
+    later steps fault few (a block that no freed hole fits yet still faults). GPU runs keep glibc's defaults: host
+    memory is not their step's."""
     out = subprocess.run([sys.executable, "-c", _STEPS_FAULTS, accelerator], capture_output=True, text=True,
                          check=True).stdout.splitlines()
     touched = 3 * (64 + 12 + 4 + 48 + 64 << 20) // resource.getpagesize()
