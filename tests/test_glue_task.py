@@ -6,6 +6,8 @@ seeds, MNLI matched/mismatched) through run_experiment; the diagnostic set (AX) 
 from __future__ import annotations
 
 import copy
+import json
+import platform
 import random
 import statistics
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from study.config import ConfigError, ExperimentConfig
-from study.run import run_experiment
+from study.run import environment, run_experiment
 from study.tasks.data import DatasetUnavailable, glue_task_info, load_glue
 from study.tasks import family
 from study.tasks.glue.data import GlueDataModule
@@ -392,12 +394,15 @@ def test_module_starts_from_the_pretrained_encoder(pretrained):
     assert not torch.equal(scratch.model.token_embedding.weight, state["token_embedding.weight"])
 
 
-def test_pretrain_then_finetune_suite_with_seeds(data, pretrained, tmp_path):
+def test_pretrain_then_finetune_suite_with_seeds(data, pretrained, tmp_path, monkeypatch):
+    monkeypatch.setattr(environment, "_malloc_set", {})  # as a fresh process: no malloc setting made yet
     cfg = glue_cfg(glue_tasks=("sst2", "stsb", "mnli", "cola"), init_from=str(pretrained), finetune_seeds=(0, 1), epochs=1)
     cfg = cfg.replace(train=cfg.train.replace(max_steps=100))  # one epoch (6 steps) decides
     run = tmp_path / "ft"
     m = run_experiment(cfg, run, data_dir=data, cache_dir=tmp_path / "cache")
     assert m["status"] == "completed"
+    if platform.libc_ver()[0] == "glibc":  # the suite's env.json records the process settings its parts trained with
+        assert json.loads((run / "env.json").read_text())["malloc"] == environment.CPU_MALLOC
     r, parts = m["metrics"], m["parts"]
     assert list(parts) == ["SST-2", "STS-B", "MNLI", "CoLA"] and r["seeds"] == [0, 1]
     sst = parts["SST-2"]

@@ -6,7 +6,9 @@ Real runs on tiny synthetic WikiText and GLUE folders (tests/test_glue_task.py's
 from __future__ import annotations
 
 import copy
+import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import yaml
 
 from study.config import ExperimentConfig, PipelineConfig, content_hash, load_experiment
 from study.record import RunDir
-from study.run import run_experiment
+from study.run import environment, run_experiment
 from study.sweep import SweepOptions, SweepSpecError, run_sweep
 from test_glue_task import TRAIN as GLUE_TRAIN
 from test_glue_task import write_glue
@@ -58,7 +60,8 @@ def mtime(path: Path) -> int:
     return path.stat().st_mtime_ns
 
 
-def test_a_pipeline_pretrains_then_finetunes_from_that_run(data, tmp_path):
+def test_a_pipeline_pretrains_then_finetunes_from_that_run(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(environment, "_malloc_set", {})  # as a fresh process: no malloc setting made yet
     cfg = pipeline()
     m = run_experiment(cfg, tmp_path / "trial", data_dir=data, cache_dir=tmp_path / "cache",
                        stage_root=tmp_path / "runs")
@@ -76,6 +79,9 @@ def test_a_pipeline_pretrains_then_finetunes_from_that_run(data, tmp_path):
     assert glue_cfg.task.init_from == str(pre_dir) and glue_cfg.model.d_model == 32 and not glue_cfg.model.nsp
     assert m["init"]["pretrain_objective"] == "mlm+nsp" and m["init"]["from"] == str(pre_dir)
     assert m["metrics"]["seeds"] == [0, 1] and set(m["parts"]["SST-2"]["seeds"]) == {"0", "1"}
+    # the pipeline's env.json records the process settings its stages trained with
+    if platform.libc_ver()[0] == "glibc":
+        assert json.loads((tmp_path / "trial" / "env.json").read_text())["malloc"] == environment.CPU_MALLOC
     # the pipeline's config.yaml is the pipeline, and a finished pipeline is not run again
     assert load_experiment(tmp_path / "trial" / "config.yaml") == cfg
     before = mtime(tmp_path / "trial" / "metrics.json")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from study.model.precision import native_bf16, resolve_precision, tf32_enabled, trains_on_cpu
+from study.model.precision import enable_tf32, native_bf16, resolve_precision, tf32_enabled, trains_on_cpu
 
 PACKAGES = ("torch", "lightning", "optuna", "tokenizers", "datasets", "sacrebleu", "transformers", "numpy", "pandas")
 
@@ -117,6 +117,13 @@ def reuse_freed_memory(accelerator: str) -> dict[str, int]:
         if mallopt(_MALLOPT[name], value) == 1:
             _malloc_set[name] = value
     return dict(_malloc_set)
+
+
+def prepare_training_process(accelerator: str) -> None:
+    """The process settings a training run makes before its env.json records them (a single run, a suite or a
+    pipeline, whose parts then train in the same process): TF32 on a GPU that has it, memory reuse on a CPU."""
+    enable_tf32(accelerator)
+    reuse_freed_memory(accelerator)
 
 
 def snapshot(precision: str | None = None) -> dict[str, Any]:

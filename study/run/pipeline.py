@@ -67,7 +67,7 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
 
     `stage_root`: where shared stages live (a sweep passes its results/runs); default `<run_dir>/stages`."""
     from study.run import run_experiment
-    from study.run.environment import snapshot
+    from study.run.environment import prepare_training_process, snapshot
 
     run = RunDir(run_dir)
     cfg = resolved_precision(cfg)
@@ -76,6 +76,7 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     started = time.time()
     stage_root = Path(stage_root) if stage_root is not None else run.path / "stages"
     atomic_write_text(run.config, cfg.to_yaml())
+    prepare_training_process(cfg.first.train.accelerator)  # as its stages will: env.json records what they train with
     atomic_write_json(run.env, snapshot(cfg.first.train.precision))
     ran: dict[str, tuple[Path, dict[str, Any]]] = {}
     for name, stage in cfg.stages.items():

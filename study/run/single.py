@@ -21,10 +21,9 @@ import torch
 from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text
 from study.model.accounting import cost_summary
-from study.model.precision import enable_tf32
 from study.record import COMPLETED, DIVERGED, RunDir, make_record
 from study.run.conflict import finished_run
-from study.run.environment import reuse_freed_memory
+from study.run.environment import prepare_training_process
 from study.tasks import family
 
 log = logging.getLogger(__name__)
@@ -214,8 +213,7 @@ def run_single(
     started = time.time()
     dm, cfg = _prepare_data(cfg, data_dir, cache_dir)
     finished_run(run, cfg, force, data_decided=())  # a directory holding another config's (unfinished) run
-    enable_tf32(cfg.train.accelerator)  # before env.json records it
-    reuse_freed_memory(cfg.train.accelerator)  # likewise
+    prepare_training_process(cfg.train.accelerator)  # before env.json records it
     _write_inputs(run, cfg, dm)
 
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path | None = None,
               cache_dir: str | Path | None = None, force: bool = False) -> dict[str, Any]:
     """Run every part of `cfg` (its task family's `sub_runs`) and write the combined record; returns it."""
-    from study.run.environment import snapshot
+    from study.run.environment import prepare_training_process, snapshot
 
     run, task = RunDir(run_dir), family(cfg.task.name)
     if (done := finished_run(run, cfg, force, data_decided=task.data_decided_model_fields)) is not None:
@@ -37,6 +37,7 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
     started = time.time()
     parts = task.sub_runs(cfg, data_dir)  # data problems (a missing task) surface here, before any training
     atomic_write_text(run.config, cfg.to_yaml())
+    prepare_training_process(cfg.train.accelerator)  # as its parts will: env.json records what they train with
     atomic_write_json(run.env, snapshot(cfg.train.precision))
     results: dict[str, dict[str, Any]] = {}
     for part in parts:
