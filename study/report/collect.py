@@ -166,7 +166,7 @@ class SweepResults:
         axes = {}
         for col in self.table.columns:
             if col.startswith("axis."):
-                base = self.table.loc[self.table["is_baseline"].astype(bool), col].dropna().astype(str)
+                base = self._baseline_rows()[col].dropna().astype(str)
                 values = list(dict.fromkeys(list(base) + list(self.table[col].dropna().astype(str))))
                 axes[col[5:]] = values
         return axes
@@ -254,11 +254,28 @@ class SweepResults:
                 and table[c].notna().any()]
 
     # -- variants ---------------------------------------------------------------------------------
-    @property
-    def baseline_label(self) -> str:
-        base = self.table.loc[self.table["is_baseline"].astype(bool), "label"]
+    def _baseline_rows(self) -> pd.DataFrame:
+        """The baseline point's trials that ran as planned (or never ran). One whose resolved config differs from
+        the plan keeps is_baseline but is relabelled by what ran (study.sweep.results.trial_row): it is a variant
+        of its own, so it must never define the baseline nor be paired as it."""
+        ran = self.table.get("ran_as_planned", pd.Series(True, index=self.table.index))
+        off = ran.map(lambda v: str(v).strip().lower() == "false").astype(bool)
+        return self.table[self.table["is_baseline"].astype(bool) & ~off]
+
+    def _planned_baseline_label(self) -> str | None:
+        """The baseline point's label; plan.json's when none of its trials ran as planned, so that the baseline
+        then has no trials (and no pairs) rather than an off-plan trial standing in for it."""
+        base = self._baseline_rows()["label"]
         if len(base):
             return str(base.iloc[0])
+        return next((str(p["label"]) for p in self.plan.get("points", []) if p.get("is_baseline") and "label" in p),
+                    None)
+
+    @property
+    def baseline_label(self) -> str:
+        base = self._planned_baseline_label()
+        if base is not None:
+            return base
         return str(self.variant_order[0]) if self.variant_order else "baseline"
 
     @property
@@ -267,15 +284,15 @@ class SweepResults:
         labels = [p["label"] for p in self.plan.get("points", []) if "label" in p]
         labels += list(self.table["label"].dropna().astype(str))
         labels = list(dict.fromkeys(labels))
-        base = self.table.loc[self.table["is_baseline"].astype(bool), "label"]
-        if len(base) and base.iloc[0] in labels:
-            labels.remove(base.iloc[0])
-            labels.insert(0, str(base.iloc[0]))
+        base = self._planned_baseline_label()
+        if base in labels:
+            labels.remove(base)
+            labels.insert(0, base)
         return labels
 
     def baseline_values(self) -> dict[str, str]:
         """The baseline point's value on every axis (OFAT: the first value of each axis)."""
-        base = self.table[self.table["is_baseline"].astype(bool)]
+        base = self._baseline_rows()
         out = {}
         for axis, values in self.axes.items():
             col = f"axis.{axis}"

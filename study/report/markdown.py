@@ -417,7 +417,8 @@ def _glue_tasks_section(doc: Doc, results: SweepResults, task: str, labels: list
     base = results.baseline_label
     paired = []
     for name in names:
-        for _, r in paired_differences(done, f"metric.{name}/score", base, labels, "maximize").iterrows():
+        score = f"metric.{name}/score"
+        for _, r in paired_differences(done, score, base, labels, results.declared(score, task).direction).iterrows():
             ci = "–" if r["n_pairs"] < 2 else f"[{fmt(r['ci_lo'], 'signed')}, {fmt(r['ci_hi'], 'signed')}]"
             paired.append([name, r["label"], str(r["n_pairs"]), fmt(r["diff"], "signed"), ci, f"**{r['verdict']}**"])
     doc.p(f"Paired by {within[:-1]} seed against the baseline ({base}), task by task (each at 95%, no correction "
