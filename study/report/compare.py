@@ -9,8 +9,11 @@ Two comparisons:
   with MLM + NSP or MLM only, randomly initialised) and the model size (within 2x in parameters) are the same;
   otherwise the row says what differs. Size and training compute (where the publication gives it) are stated as
   ratios.
-* effects: for each published ablation effect whose axis the sweep varies, our paired difference (same seeds)
-  beside the published direction: agree / disagree / inconclusive (our interval contains zero); 'consistent' where
+* effects: for each published ablation effect whose axis the sweep varies, on a metric of ours that measures the
+  quantity the publication states the direction for (effects.csv's `metric`: a perplexity direction is never judged
+  on BLEU) and on cells that hold the other axes where the publication held them (effects.csv's `held`, checked
+  against the cells' configs where the sweep does not vary the axis), our paired difference (same seeds) beside the
+  published direction: agree / disagree / inconclusive (our interval contains zero); 'consistent' where
   the publication reports no clear difference and our interval contains zero; 'by construction' where our metric is
   a cost computed from the config (a KV-cache difference is the definition of MQA, not evidence about it). Each
   tested effect also has its paired t-test p-value, a Holm-adjusted verdict over all effects tested in the report,
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from fnmatch import fnmatchcase
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from study.report.collect import (
     SweepResults,
     at_2x_column,
     metric_column,
+    metric_name,
     normalise_value,
 )
 from study.report.markdown import Doc, fmt
@@ -48,7 +53,7 @@ from study.report.measure import (  # noqa: F401  (re-exported: the comparison's
     sacrebleu_variant,
     sweep_measurements,
 )
-from study.report.published import load_effects, load_published
+from study.report.published import EFFECT_METRICS, load_effects, load_published
 from study.report.stats import ALPHA, POWER, holm_adjust, paired_difference
 
 BY_CONSTRUCTION = "by construction"
@@ -217,14 +222,52 @@ def held_conditions(e: pd.Series) -> dict[str, str]:
 
 
 def _meets(pair: CellPair, conditions: dict[str, str]) -> bool:
-    """A pair the publication's condition covers: every condition on an axis the pair holds is met (a condition on an
-    axis the sweep does not vary is stated in the comparability, not checked)."""
+    """A pair the publication's condition covers on the axes the sweep varies: every condition on an axis the pair
+    holds is met (a condition on an axis the sweep does not vary is checked in the cells' configs: _unvaried_held)."""
     held = dict(pair.held)
     return all(normalise_value(held[a]) == normalise_value(v) for a, v in conditions.items() if a in held)
 
 
 def _held_text(held) -> str:
     return ", ".join(f"{a}={v}" for a, v in held if v != NOT_APPLIED)
+
+
+# What a `held` condition means in config fields where the sweep does not vary its axis (a sweep that varies it
+# defines its values itself), in the shipped sweeps' vocabulary (experiments/sweeps/multi30k_warmup_gqa.yaml).
+HELD_FIELDS = {"warmup": {"none": {"train.warmup_steps": 0}}}
+
+
+def _condition_fields(config: dict, axis: str, value: str) -> dict | None:
+    """The config fields `axis=value` stands for: HELD_FIELDS, else the model, train or task field the axis is named
+    after (norm_position=post: model.norm_position is post); None when neither knows it."""
+    if axis in HELD_FIELDS:
+        return HELD_FIELDS[axis].get(normalise_value(value))
+    section = next((s for s in ("model", "train", "task") if axis in (config.get(s) or {})), None)
+    return {f"{section}.{axis}": value} if section else None
+
+
+def _unvaried_held(results: SweepResults, e: pd.Series, pair: CellPair) -> tuple[str, str]:
+    """(why the pair is not compared, '' when it is; what its cells hold): every `held` condition on an axis the sweep
+    does not vary, checked in both cells' configs. A field a config leaves unset is not taken for its default: an
+    unresolved condition is a reason, never a silent pass."""
+    held = []
+    for axis, value in held_conditions(e).items():
+        if axis in results.axes:
+            continue  # _meets compares the cells' axis values
+        head = f"published at {axis}={value}"
+        configs = [results.experiment_config(label) for label in (pair.baseline, pair.variant)]
+        fields = _condition_fields(configs[0], axis, value)
+        if not fields:
+            return f"{head}; not checked: no config field is known for {axis}={value}", ""
+        unset = sorted({f for c in configs for f in fields if _field(c, f) is None})
+        if unset:
+            return f"{head}; not checked: the cells' configs do not set {', '.join(unset)}", ""
+        have = [", ".join(f"{f}={_field(c, f)}" for f in fields) for c in configs]
+        text = have[0] if have[0] == have[1] else f"{have[0]} ({pair.baseline}), {have[1]} ({pair.variant})"
+        if any(normalise_value(_field(c, f)) != normalise_value(v) for c in configs for f, v in fields.items()):
+            return f"{head}; this sweep's cells have {text}", ""
+        held.append(f"this sweep does not vary {axis}: its cells hold it ({text})")
+    return "", "; ".join(held)
 
 
 # -- effects -------------------------------------------------------------------------------------------------------
@@ -294,14 +337,11 @@ def _steps(results: SweepResults, done: pd.DataFrame, label: str) -> str:
     return f"ours {int(steps.median())} training steps" + (f" of {batch} examples" if batch else "")
 
 
-def _held_notes(results: SweepResults, e: pd.Series) -> list[str]:
-    """The publication's condition on the other axes, and which of them this sweep does not vary."""
-    conditions = held_conditions(e)
-    if not conditions:
+def _held_notes(results: SweepResults, e: pd.Series, pair: CellPair) -> list[str]:
+    """The publication's condition on the other axes, and how the cells hold those this sweep does not vary."""
+    if not held_conditions(e):
         return []
-    unvaried = [a for a in conditions if a not in results.axes]
-    return [f"published at {e['held']}"] + ([f"this sweep does not vary {', '.join(unvaried)}: every cell keeps "
-                                             "its recipe's setting"] if unvaried else [])
+    return [f"published at {e['held']}", _unvaried_held(results, e, pair)[1]]
 
 
 def _effect_notes(results: SweepResults, e: pd.Series, task: str, done: pd.DataFrame, pair: CellPair,
@@ -320,7 +360,7 @@ def _effect_notes(results: SweepResults, e: pd.Series, task: str, done: pd.DataF
     if results.stages:
         notes.append(f"pairs are {results.stages[0]} seeds (trials of the study in stages "
                      f"{' → '.join(results.stages)})")
-    notes += _held_notes(results, e)
+    notes += _held_notes(results, e, pair)
     notes.append(f"model size ratio ours/published "
                  f"{_ratio(_mean(done, pair.baseline, 'cost.parameters'), _published_params(e))}")
     notes.append(_steps(results, done, pair.baseline))
@@ -342,10 +382,27 @@ def _power_columns(e: pd.Series, spec: Declaration | None, d) -> dict:
             "published_effect_detectable": detectable}
 
 
+def _pair_task(results: SweepResults, pair: CellPair) -> str:
+    task = results.table.loc[results.table["label"] == pair.variant, "task"].dropna()
+    return str(task.iloc[0]) if len(task) else results.tasks[0]
+
+
+def _metric_reason(results: SweepResults, e: pd.Series, pair: CellPair) -> str:
+    """Why the pair's metric is not one the published direction is about ('' when it is, or when the sweep lacks
+    it: 'not measured'). A direction holds for its metric only: removing label smoothing improves perplexity and
+    lowers BLEU (Vaswani et al. 2017)."""
+    patterns = EFFECT_METRICS.get(str(e.get("metric", "") or ""))
+    if patterns is None:
+        return f"effects.csv names no known metric for its direction ({e.get('metric')!r})"
+    col, _ = resolve_metric(results, e["our_metric"], _pair_task(results, pair))
+    if col is None or any(fnmatchcase(col, p) for p in patterns):
+        return ""
+    return f"published on {e['published_metric']}; this sweep's metric is {metric_name(col)}"
+
+
 def _our_difference(results: SweepResults, e: pd.Series, pair: CellPair) -> tuple:
     """(task, column, declaration, paired difference or None, our direction) of one pair on the effect's metric."""
-    task = results.table.loc[results.table["label"] == pair.variant, "task"].dropna()
-    task = str(task.iloc[0]) if len(task) else results.tasks[0]
+    task = _pair_task(results, pair)
     col, spec = resolve_metric(results, e["our_metric"], task)
     done = results.completed(task)
     if col is None or col not in done:
@@ -417,8 +474,9 @@ def _no_pair_reason(results: SweepResults, e: pd.Series) -> str:
 
 def compare_effects(results: SweepResults, effects: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(tested, untested): each published effect beside our paired difference on every pair of cells that differ
-    in the effect's axis alone and hold the other axes where the publication held them (effects.csv's `held`); the
-    effects with no such pair, and the pairs the publication's condition leaves out, listed with the reason."""
+    in the effect's axis alone, hold the other axes where the publication held them (effects.csv's `held`) and are
+    measured on the quantity the published direction is about (its `metric`); the effects with no such pair, and
+    the pairs the publication's condition or metric leaves out, listed with the reason (outside the Holm family)."""
     tested, untested = [], []
     for _, e in effects.iterrows():
         pairs = cell_pairs(results, e["axis"], e["baseline"], e["variant"]) if e["axis"] in results.axes else []
@@ -427,7 +485,12 @@ def compare_effects(results: SweepResults, effects: pd.DataFrame) -> tuple[pd.Da
                                   f"{e['held']}") for p in pairs if p not in kept]
         if not pairs:
             untested.append(_untested(e, _no_pair_reason(results, e)))
-        tested += [_effect_row(results, e, p) for p in kept]
+        for p in kept:
+            reason = _unvaried_held(results, e, p)[0] or _metric_reason(results, e, p)
+            if reason:
+                untested.append(_untested(e, reason))
+            else:
+                tested.append(_effect_row(results, e, p))
     return add_holm(pd.DataFrame(tested)), pd.DataFrame(untested)
 
 

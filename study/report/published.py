@@ -12,8 +12,11 @@
                                  scale of that metric of ours: GLUE dev metrics in points on 0-100), and
                                  `held`: where the publication held the other axes ('warmup=none'; several
                                  separated by ';'), in the sweeps' axis vocabulary; compare.py pairs the effect
-                                 only with cells of a grid that hold them so (Xiong et al. 2020 compare post- with
-                                 pre-norm without warm-up, and Post-LN with and without it)
+                                 only with cells that hold them so, in a grid by their axis values and elsewhere by
+                                 their configs (Xiong et al. 2020 compare post- with pre-norm without warm-up, and
+                                 Post-LN with and without it), and `metric`: the quantity the published direction is
+                                 about (EFFECT_METRICS); compare.py compares it only with a metric of ours that
+                                 measures that quantity
 
 Curated from ../shared/references/published.md (every number there was read from the paper, an official
 repository or, flagged as such, a secondary transcription or a community reproduction).
@@ -33,9 +36,21 @@ REQUIRED = ("id", "citation", "table", "dataset", "split", "metric", "metric_var
             "verification", "source", "match")
 EFFECT_COLUMNS = ("effect_id", "axis", "baseline", "variant", "our_metric", "published_metric", "published_baseline",
                   "published_variant", "published_direction", "magnitude", "citation", "table", "task", "dataset",
-                  "params_m", "evidence", "units_match_ours", "published_ids", "note", "held")
+                  "params_m", "evidence", "units_match_ours", "published_ids", "note", "held", "metric")
 EFFECT_REQUIRED = ("effect_id", "axis", "baseline", "variant", "our_metric", "published_metric", "published_direction",
-                   "magnitude", "citation", "table", "dataset")
+                   "magnitude", "citation", "table", "dataset", "metric")
+# effects.csv's `metric`: the quantity a published direction is about, with the columns of ours that measure it
+# (fnmatch patterns). A direction holds only for the metric it was published on: removing label smoothing improves
+# perplexity and lowers BLEU (Vaswani et al. 2017, Table 3 (D)), so an effect is never judged on another quantity.
+EFFECT_METRICS = {
+    "cross-entropy": ("metric.*loss", "metric.*ppl", "metric.*_ppl_at_2x"),  # perplexity = exp(loss): same direction
+    "bleu": ("metric.bleu", "metric.*.bleu"),
+    "accuracy": ("metric.*accuracy", "metric.*accuracy_m", "metric.*accuracy_mm"),
+    "training-speed": ("cost.train_tokens_per_s",),
+    # decoding time, and the KV-cache memory read per token that bounds it (Shazeer 2019; compared by construction)
+    "decode-cost": ("cost.kv_cache_bytes_per_token",),
+    "average-score": (),  # an average over tasks scored by different metrics (ROUGE, BLEU, F1): none of ours is one
+}
 DIRECTIONS = ("better", "worse", "same")
 # `model_variant`: how the model was obtained, so a number of BERT pretrained with NSP is never paired with one of a
 # model pretrained without it, or with a randomly initialised encoder. Empty where it does not apply.
@@ -58,7 +73,11 @@ def load_published() -> pd.DataFrame:
 
 
 def load_effects() -> pd.DataFrame:
+    """The effects table, validated (ValueError naming every problem: a misspelt `metric` must never pass)."""
     table = _read("effects.csv")
+    problems = validate_effects(table)
+    if problems:
+        raise ValueError("study/report/effects.csv: " + "; ".join(problems))
     for col in ("published_baseline", "published_variant", "params_m"):
         table[col] = pd.to_numeric(table[col], errors="coerce")
     return table
@@ -93,7 +112,7 @@ def _held_problems(e: pd.Series) -> list[str]:
 
 
 def validate_effects(effects: pd.DataFrame, published: pd.DataFrame | None = None) -> list[str]:
-    """Every problem with the effects table: missing cells, unknown directions, a published number that
+    """Every problem with the effects table: missing cells, unknown directions and metrics, a published number that
     contradicts the stated direction's sign, ids that are not in the published table."""
     problems = [f"missing column {c}" for c in EFFECT_COLUMNS if c not in effects]
     for c in EFFECT_REQUIRED:
@@ -105,6 +124,8 @@ def validate_effects(effects: pd.DataFrame, published: pd.DataFrame | None = Non
             problems.append(f"effect {e['effect_id']}: direction {e['published_direction']!r} not in {DIRECTIONS}")
         if str(e.get("units_match_ours", "")) not in UNITS_MATCH:
             problems.append(f"effect {e['effect_id']}: units_match_ours {e['units_match_ours']!r} not in {UNITS_MATCH}")
+        if str(e.get("metric", "")) not in EFFECT_METRICS:
+            problems.append(f"effect {e['effect_id']}: metric {e.get('metric')!r} not in {tuple(EFFECT_METRICS)}")
         problems += _held_problems(e)
         if published is not None:
             ids = [i for i in str(e.get("published_ids", "")).split(";") if i]
