@@ -1,12 +1,15 @@
-"""Atomic file writes: a reader (or a crash) never sees a half-written file."""
+"""Atomic file writes: a reader (or a crash) never sees a half-written file; and the lock processes that share a
+file take turns under."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 def _umask() -> int:
@@ -60,3 +63,23 @@ def read_json_or_none(path: str | Path) -> Any:
         return read_json(path)
     except (OSError, json.JSONDecodeError):
         return None
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: str | Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive flock on `lock_file` (created if missing) for the block; `on_wait()` is called once if
+    another process holds it first. The kernel releases a flock when its holder dies, so a killed process never
+    leaves it held."""
+    lock_file = Path(lock_file)
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

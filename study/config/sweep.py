@@ -114,6 +114,20 @@ def _known_field(path: str, stages: list[str] = ()) -> str | None:
     return None
 
 
+def _axis_field(path: str, stages: list[str] = ()) -> str | None:
+    """None if an axis may set `path`, else why not: a config field (`_known_field`), and not a preset, whose
+    fields the base's own model fields override (the axis would not say what ran)."""
+    problem = _known_field(path, stages)
+    if problem is None and route(path, list(stages))[1] == "model.preset":
+        from study.config.presets import PRESETS
+
+        return (f"{path!r}: a preset is not an axis value (it sets many model fields, and the base's own model fields "
+                "override it, so the label would not say what ran); vary the fields that differ as named variants, "
+                "e.g. gpt2: {model.norm: layernorm, model.position: learned, model.activation: gelu_tanh}; "
+                f"each preset's fields: study/config/presets.py ({', '.join(sorted(PRESETS))})")
+    return problem
+
+
 def parse_axis(name: str, raw: Any, p: Problems, stages: list[str] = ()) -> Axis | None:
     """Normalise the three spellings of an axis (see the module docstring)."""
     where = f"axes.{name}"
@@ -135,7 +149,7 @@ def parse_axis(name: str, raw: Any, p: Problems, stages: list[str] = ()) -> Axis
 
     values: dict[str, dict[str, Any]] = {}
     if field_path is not None:
-        problem = _known_field(str(field_path), stages)
+        problem = _axis_field(str(field_path), stages)
         if problem:
             p.add(where, problem)
             return None
@@ -153,7 +167,7 @@ def parse_axis(name: str, raw: Any, p: Problems, stages: list[str] = ()) -> Axis
                 p.add(f"{where}.{label}", "must map config fields to values, e.g. {model.n_kv_heads: 1}")
                 return None
             for path in assignments:
-                problem = _known_field(str(path), stages)
+                problem = _axis_field(str(path), stages)
                 if problem:
                     p.add(f"{where}.{label}", problem)
                     return None
@@ -264,7 +278,7 @@ class SweepConfig(Config):
             return
         unknown = sorted(set(t) - set(TUNE_DEFAULTS) - {"field", "low", "high"})
         p.check(not unknown, "tune", f"unknown keys {unknown}; valid: field, low, high, {', '.join(TUNE_DEFAULTS)}")
-        problem = _known_field(str(t.get("field")), self.stage_names)
+        problem = _axis_field(str(t.get("field")), self.stage_names)
         p.check(problem is None, "tune.field", problem or "")
         low, high = t.get("low"), t.get("high")
         if p.check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high, "tune.low",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 from typing import Any
 
 from study.config import Config
@@ -38,9 +40,30 @@ def finished_run(run: RunDir, cfg: Config, force: bool, data_decided: tuple[str,
         wanted = cfg  # as the directory would record it: the fields the data decides are not known yet
         if data_decided:
             wanted = cfg.replace(model=cfg.model.replace(**{k: getattr(stored.model, k) for k in data_decided}))
+        wanted = _with_stored_init_from(stored, wanted)
         if stored != wanted:
             raise RunDirConflict.between(run.path, stored, wanted)
     record = run.finished()
     if record is not None:
         log.info("%s already finished (%s); nothing to do", run.path, record["status"])
     return record
+
+
+def _pretrained_run(init_from: str) -> tuple[str, ...]:
+    """What identifies the run a `task.init_from` names. A content-hashed stage directory (`<hash>/seed-<k>`,
+    study.run.pipeline.stage_dir): its hash and seed, which say what was trained wherever the results folder is
+    mounted, so a folder moved wholesale (another machine, another mount) still resumes; any other run: its
+    resolved path (a relative spelling resolves against the working directory, as the run itself reads it)."""
+    path = Path(init_from).resolve()
+    if re.fullmatch(r"[0-9a-f]{12}", path.parent.name) and re.fullmatch(r"seed-\d+", path.name):
+        return path.parent.name, path.name
+    return (str(path),)
+
+
+def _with_stored_init_from(stored: Config, cfg: Config) -> Config:
+    """`cfg` with the stored `task.init_from` where both name the same pretrained run however spelled (an absolute
+    path, another working directory, a moved results folder): the spelling is not part of the config."""
+    there, here = (getattr(getattr(c, "task", None), "init_from", None) for c in (stored, cfg))
+    if there and here and there != here and _pretrained_run(there) == _pretrained_run(here):
+        return cfg.replace(task=cfg.task.replace(init_from=there))
+    return cfg

@@ -16,7 +16,6 @@ workers that reach the same shared stage at once take turns (a file lock), the s
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any, Iterator
 
 from study.config import PipelineConfig, content_hash
 from study.config.pipeline import stage_ref
-from study.io import atomic_write_json, atomic_write_text
+from study.io import atomic_write_json, atomic_write_text, exclusive_lock
 from study.model.precision import resolve_precision
 from study.record import COMPLETED, RunDir, extras, make_record
 from study.run.conflict import finished_run
@@ -48,16 +47,24 @@ def stage_dir(cfg: PipelineConfig, name: str, run_dir: Path, stage_root: Path) -
 
 
 @contextlib.contextmanager
-def _stage_lock(directory: Path) -> Iterator[None]:
-    """An exclusive lock on a shared stage's directory (flock: released by the kernel when its holder dies, so a
-    killed worker never leaves it held)."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f".{directory.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def run_dir_lock(directory: str | Path) -> Iterator[None]:
+    """An exclusive lock on a run directory while one process runs it: two sweeps that share a point, or two
+    pipelines that share a stage, take turns, and the second finds the run finished. The lock file sits beside the
+    directory, so a shared stage and a sweep trial of that stage's config take the same lock. flock: the kernel
+    releases it when its holder dies, so a killed worker never leaves it held. Only rank zero locks: the other
+    ranks of a DDP run are started by rank zero while it holds the lock, and waiting for it would deadlock them."""
+    from study.run.single import launch_rank
+
+    if launch_rank() != 0:
+        yield
+        return
+    directory = Path(directory)
+
+    def waiting() -> None:  # say why this trial does nothing for a while (its log is read to find out)
+        log.warning("%s is being run by another process; waiting for it to finish", directory)
+
+    with exclusive_lock(directory.parent / f".{directory.name}.lock", on_wait=waiting):
+        yield
 
 
 def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path | None = None,
@@ -74,7 +81,9 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     if (done := finished_run(run, cfg, force)) is not None:
         return done
     started = time.time()
-    stage_root = Path(stage_root) if stage_root is not None else run.path / "stages"
+    # resolved: a later stage's task.init_from (its config.yaml) names the run it starts from unambiguously, however
+    # the results folder was spelled (relative, another cwd, a symlink); a resumed stage finds the same value there
+    stage_root = (Path(stage_root) if stage_root is not None else run.path / "stages").resolve()
     atomic_write_text(run.config, cfg.to_yaml())
     prepare_training_process(cfg.first.train.accelerator)  # as its stages will: env.json records what they train with
     atomic_write_json(run.env, snapshot(cfg.first.train.precision))
@@ -85,7 +94,7 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
             stage = stage.replace(task=stage.task.replace(init_from=str(ran[ref][0])))
         directory = stage_dir(cfg, name, run.path, stage_root)
         log.info("%s: stage %s in %s", cfg.name, name, directory)
-        with _stage_lock(directory):
+        with run_dir_lock(directory):
             record = run_experiment(stage, directory, data_dir=data_dir, cache_dir=cache_dir, force=force)
         ran[name] = (directory, record)
         if record["status"] != COMPLETED:  # a diverged stage is the pipeline's result: nothing to start from

@@ -33,7 +33,9 @@ def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tup
     attempts = (trial or {}).get("attempts", [])
     last = attempts[-1] if attempts else {}
     if metrics and metrics.get("status") in FINISHED:
-        if last.get("outcome") == "failed":  # finished, but failed by its worker (its objective is missing)
+        # finished, but failed by its worker for what the record holds (its objective is missing: marked so, or
+        # judged on exit code 0 by earlier versions); a failure on the exit code alone left this result
+        if last.get("outcome") == "failed" and (last.get("objective_missing") or not last.get("returncode")):
             return "failed", last.get("error", "")
         why = (metrics.get("divergence") or {}).get("reason", "") if metrics["status"] == DIVERGED else ""
         return metrics["status"], why  # a diverged run says which part of the divergence rule stopped it
@@ -70,12 +72,15 @@ def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
                record: dict[str, Any] | None) -> dict[str, str] | None:
     """Each axis's label as the trial ran it (the value whose fields all equal its resolved config), or None
     before it has run. '?' marks a resolved config that matches none of the axis's values."""
-    from study.config.sweep import SweepConfig
+    from study.config.sweep import NOT_APPLICABLE, SweepConfig
 
     if record is None:
         return None
     spec = SweepConfig.from_dict(plan["spec"])
-    applied = [a for a in spec.parsed_axes() if point["axes"].get(a.name) not in (None, "n/a")]
+    by_name = {a.name: a for a in spec.parsed_axes()}
+    # in the order the plan merged their assignments (plain axes, then conditional ones): where two set a field,
+    # the later one's value is the one that ran
+    applied = [by_name[name] for name, label in point["axes"].items() if name in by_name and label != NOT_APPLICABLE]
     out = {}
     for i, axis in enumerate(applied):
         # a field a later axis of this point also sets is that axis's (a conditional axis refining this one's
@@ -85,9 +90,51 @@ def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
         ran = {f: _resolved_value(run, record, f, spec.stage_names) for f in own}
         if not own or all(v is None for v in ran.values()):
             continue  # nothing of its own to read (or no resolved config: a stand-in run): the plan's label stands
-        out[axis.name] = next((label for label, fields in axis.values.items()
-                               if all(ran.get(f, _MISSING) == v for f, v in fields.items() if f not in later)), "?")
+        out[axis.name] = next((label for label, fields in _planned(point, axis, later, spec.stage_names)
+                               if all(_ran(ran, run, record, f, spec.stage_names) == v for f, v in fields.items())),
+                              "?")
     return out
+
+
+def _ran(ran: dict[str, Any], run: RunDir, record: dict[str, Any], path: str, stages: list[str]) -> Any:
+    if path not in ran:  # a field only another value of the axis sets
+        ran[path] = _resolved_value(run, record, path, stages)
+    return ran[path]
+
+
+def _planned(point: dict[str, Any], axis: Any, later: set[str], stages: list[str]):
+    """(label, {field: value}) for each value of `axis`, the point's own first, on the fields not left to a later
+    axis; each value as the validated config holds it, which is what a run writes: YAML reads `2e-3` as a string
+    and the config stores 0.002, 'SST-2' as 'sst2'. The point's own value is its config's (plan.json); another value
+    is this point's config with that value's fields applied, or, where that config is invalid, the spec's text."""
+    own = point["axes"][axis.name]
+    for label in [own, *(lab for lab in axis.labels if lab != own)]:
+        fields = [f for f in axis.values[label] if f not in later]
+        cfg = point["config"] if label == own else _with_fields(point["config"], axis.values[label], stages)
+        yield label, {f: (_config_value(cfg, f, stages) if cfg is not None else axis.values[label][f]) for f in fields}
+
+
+def _with_fields(config: dict[str, Any], fields: dict[str, Any], stages: list[str]) -> dict[str, Any] | None:
+    from study.config import ConfigError, ExperimentConfig
+    from study.config.experiment import set_fields
+    from study.config.sweep import route
+
+    by_stage = dict(config["stages"]) if stages else {None: config}
+    for path, value in fields.items():
+        stage, field = route(path, stages)
+        try:
+            by_stage[stage] = ExperimentConfig.from_dict(set_fields(by_stage[stage], {field: value})).to_dict()
+        except (ConfigError, ValueError):
+            return None
+    return {**config, "stages": by_stage} if stages else by_stage[None]
+
+
+def _config_value(config: dict[str, Any], path: str, stages: list[str]) -> Any:
+    from study.config.sweep import route
+
+    stage, field = route(path, stages)
+    section, _, name = field.partition(".")
+    return ((config["stages"][stage] if stage is not None else config).get(section) or {}).get(name, _MISSING)
 
 
 def trial_row(plan: dict[str, Any], point: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:

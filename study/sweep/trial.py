@@ -3,9 +3,10 @@
 A fresh process per trial gives every trial a fresh RNG state and returns all of its memory
 when it ends. The worker that starts it owns the queue bookkeeping; this process only trains
 and writes its run directory (atomically, through `study.run.run_experiment`, which resumes
-from the directory's last checkpoint when a previous attempt was interrupted). A point that is a
-pipeline keeps its shared stages beside every other run directory (results/runs/), where a plain
-sweep of that stage's config would put them.
+from the directory's last checkpoint when a previous attempt was interrupted), holding the run
+directory's lock (`study.run.pipeline.run_dir_lock`), so that no other sweep's trial of the same point
+runs it at once. A point that is a pipeline keeps its shared stages beside every other run directory
+(results/runs/), where a plain sweep of that stage's config would put them.
 """
 
 from __future__ import annotations
@@ -41,10 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from study.config import PipelineConfig, load_experiment
+    from study.run.pipeline import run_dir_lock
 
     cfg = load_experiment(Path(args.config)).with_seed(args.seed)
-    extra = {"stage_root": Path(args.run_dir).parent.parent} if isinstance(cfg, PipelineConfig) else {}
-    load_runner(args.runner)(cfg, args.run_dir, data_dir=args.data_dir, cache_dir=args.cache_dir, **extra)
+    # the shared stages' root as an absolute path: later stages record it in task.init_from (study.run.pipeline)
+    extra = {"stage_root": Path(args.run_dir).resolve().parent.parent} if isinstance(cfg, PipelineConfig) else {}
+    # two sweeps that share a point each hand out this run directory (each has its own queue): the second trial
+    # waits here for the first, then finds the run finished (the runner hands a finished run back untrained)
+    with run_dir_lock(args.run_dir):
+        load_runner(args.runner)(cfg, args.run_dir, data_dir=args.data_dir, cache_dir=args.cache_dir, **extra)
     return 0
 
 

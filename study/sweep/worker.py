@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study.io import atomic_write_json, read_json
+from study.io import atomic_write_json, exclusive_lock, read_json
 from study.record import RunDir, metric_value
 from study.sweep import tuning
 from study.sweep.layout import SweepLayout, all_keys, check_storage, read_tuned, trial_specs
@@ -75,16 +75,18 @@ class Launcher:
 
 
 def _record_attempt(run_dir: Path, spec: TrialSpec, sweep: str, attempt: dict[str, Any]) -> None:
-    """Append (or update) this attempt in run_dir/trial.json, the file record of every attempt."""
+    """Append (or update) this attempt in run_dir/trial.json, the file record of every attempt. Under a lock: workers
+    of two sweeps that share the point update it too, and a read-modify-write without one could drop an attempt."""
     path = RunDir(run_dir).trial
-    record = read_json(path) if path.is_file() else {"key": spec.key, "point": spec.point, "seed": spec.seed,
-                                                      "attempts": []}
-    attempts = [a for a in record["attempts"] if a.get("id") != attempt["id"]]
-    record["attempts"] = attempts + [attempt]
-    record.setdefault("sweeps", [])
-    if sweep not in record["sweeps"]:
-        record["sweeps"].append(sweep)
-    atomic_write_json(path, record)
+    with exclusive_lock(path.parent / f".{path.name}.lock"):
+        record = read_json(path) if path.is_file() else {"key": spec.key, "point": spec.point, "seed": spec.seed,
+                                                          "attempts": []}
+        attempts = [a for a in record["attempts"] if a.get("id") != attempt["id"]]
+        record["attempts"] = attempts + [attempt]
+        record.setdefault("sweeps", [])
+        if sweep not in record["sweeps"]:
+            record["sweeps"].append(sweep)
+        atomic_write_json(path, record)
 
 
 def _log_tail(path: Path, lines: int = 40) -> str:
@@ -247,14 +249,33 @@ def _note_start_failure(log: Path, err: Exception) -> int:
 
 
 def _settle(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attempt: Attempt, rc: int) -> str:
-    """Record how an attempt that ran to its end ended: a result (completed or diverged), or a failure (an error,
-    or a completed run whose objective is not in its record: a result nothing could rank)."""
+    """Record how an attempt that ran to its end ended (`_settle_mine`), unless another worker took the trial back
+    meanwhile (it judged the heartbeat stale, and the process ended before the next beat would have told this
+    worker): that worker re-queued it, and the retry settles it (a finished run directory is found, not retrained)."""
+    import optuna
+
+    attempt.record.update(ended=time.time(), returncode=rc)
+    if queue.still_mine(attempt.claimed):
+        try:
+            return _settle_mine(queue, layout, plan, attempt, rc)
+        except optuna.exceptions.UpdateFinishedTrialError:  # taken back between the check and the update
+            pass
+    log.warning("%s: trial %d was taken back by another worker before its end was recorded; its retry settles it",
+                queue.worker, attempt.claimed.number)
+    attempt.write(plan["sweep"], outcome="lost")
+    attempt.tell_failed()
+    return "lost"
+
+
+def _settle_mine(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attempt: Attempt, rc: int) -> str:
+    """A result (completed or diverged), or a failure (an error, or a completed run whose objective is not in its
+    record: a result nothing could rank). The run directory's record decides, whatever the exit code: a process
+    killed after writing its finished record left that result (the exit code stays in trial.json)."""
     sweep, metric, claimed = plan["sweep"], plan["objective"]["metric"], attempt.claimed
     run = RunDir(attempt.run_dir)
     record = run.finished()
-    attempt.record.update(ended=time.time(), returncode=rc)
     value = metric_value(record, metric) if record else None
-    if rc == 0 and record is not None and (record["status"] != "completed" or value is not None):
+    if record is not None and (record["status"] != "completed" or value is not None):
         attempt.write(sweep, outcome=record["status"])
         queue.finish(claimed, record["status"], value,
                      {"run_dir": str(attempt.run_dir), "steps": record.get("steps"),
@@ -263,17 +284,17 @@ def _settle(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attemp
             tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point,
                                        record["status"], value)
         return record["status"]
-    retry = True
-    if rc == 0 and record is not None:  # completed, but the objective is missing: the same on every retry
+    retry, verdict = True, {}
+    if record is not None:  # completed, but the objective is missing: the same on every retry, whatever the exit
         written = sorted(k[len("metric."):] for k, v in _numeric_metrics(record).items())
         error = (f"the run completed but its metrics.json has no finite {metric!r}, the sweep's objective; "
                  f"it has {written[:12]}")
-        retry = False
+        retry, verdict = False, {"objective_missing": metric}  # (the results table fails the finished record)
     else:
         error = _log_tail(run.trial_log) or f"exit code {rc}"
         if rc == 0:
             error += "\n(the trial exited without writing a finished metrics.json)"
-    attempt.write(sweep, outcome="failed", error=error.splitlines()[-1] if error else "")
+    attempt.write(sweep, outcome="failed", error=error.splitlines()[-1] if error else "", **verdict)
     requeued = queue.fail(claimed, error, retry=retry)
     if attempt.tuning:
         attempt.tell_failed()
