@@ -117,10 +117,20 @@ class RunDir:
         return frame if frame is not None and "step" in frame and not frame.empty else None
 
 
-def stage_run_dirs(record: dict[str, Any] | None) -> dict[str, str]:
-    """{stage: run directory} of a study in stages' record (its `stages` entry); {} for a single run."""
+def stage_run_dirs(record: dict[str, Any] | None, run_dir: str | Path | None = None) -> dict[str, str]:
+    """{stage: run directory} of a study in stages' record (its `stages` entry); {} for a single run. Given the
+    pipeline's own `run_dir`, a recorded stage directory that is gone (the results folder moved or mounted elsewhere)
+    is looked for as the same `<hash>/seed-<k>` beside it, where a sweep keeps its stages (its runs folder)."""
     stages = (record or {}).get("stages") or {}
-    return {name: s["run_dir"] for name, s in stages.items() if isinstance(s, dict) and s.get("run_dir")}
+    found = {name: s["run_dir"] for name, s in stages.items() if isinstance(s, dict) and s.get("run_dir")}
+    if run_dir is None:
+        return found
+    runs = Path(run_dir).parent.parent
+    for name, recorded in found.items():
+        moved = runs / Path(recorded).parent.name / Path(recorded).name
+        if not Path(recorded).is_dir() and moved.is_dir():
+            found[name] = str(moved)
+    return found
 
 
 def make_record(status: str, metrics: dict[str, Any], cost: dict[str, Any], *, steps: int,

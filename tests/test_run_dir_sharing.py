@@ -218,3 +218,19 @@ def test_a_workers_update_of_trial_json_waits_for_anothers(tmp_path):
     ids = [a["id"] for a in read_json(trial_json)["attempts"]]
     assert ids == ["sweep-a#0", "sweep-a#1", "sweep-b#0"]
     assert read_json(trial_json)["sweeps"] == ["sweep-a", "sweep-b"]
+
+
+def test_a_moved_results_folder_still_finds_a_pipelines_stages(tmp_path):
+    """A pipeline's record names its stages' run directories by absolute path; after the results folder moves (another
+    mount, another machine), each is found as the same <hash>/seed-<k> beside the pipeline's own run directory."""
+    from study.record import stage_run_dirs
+
+    runs = tmp_path / "moved" / "runs"
+    (runs / "abcdef012345" / "seed-0").mkdir(parents=True)
+    pipeline_dir = runs / "0123456789ab" / "seed-0"
+    pipeline_dir.mkdir(parents=True)
+    record = {"stages": {"pretrain": {"run_dir": str(tmp_path / "old" / "runs" / "abcdef012345" / "seed-0")},
+                         "glue": {"run_dir": str(pipeline_dir)}}}
+    assert stage_run_dirs(record, pipeline_dir) == {"pretrain": str(runs / "abcdef012345" / "seed-0"),
+                                                    "glue": str(pipeline_dir)}
+    assert stage_run_dirs(record)["pretrain"] == str(tmp_path / "old" / "runs" / "abcdef012345" / "seed-0")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_sweep_refusals import LM, plan_of, refused
+from test_sweep_refusals import EXPERIMENTS, LM, plan_of, refused
 
 from study.io import atomic_write_text
 from study.record import RunDir, make_record
@@ -49,6 +49,18 @@ def test_a_conditional_axis_may_refine_only_the_field_of_the_axis_its_condition_
         "model.norm": ["rmsnorm", "layernorm"], "attention": ATTENTION,
         "kv": {"field": "model.n_kv_heads", "values": [2], "when": {"norm": "layernorm"}}})
     assert "axes.attention and axes.kv both set model.n_kv_heads" in text
+
+
+def test_one_field_spelled_two_ways_in_a_study_in_stages_is_refused(tmp_path):
+    """In a study in stages `model.nsp` is the first stage's (`pretrain.model.nsp`): the same field, however spelled."""
+    spec = yaml.safe_load((EXPERIMENTS / "sweeps" / "nsp_glue.yaml").read_text())
+    for stage in spec["stages"].values():
+        stage["base"] = str(EXPERIMENTS / "sweeps" / stage["base"])
+    spec.pop("name", None)
+    spec.pop("seeds", None)
+    head = {"on": {"pretrain.model.nsp": True}, "off": {"pretrain.model.nsp": False}}
+    text = refused(tmp_path, **{**spec, "design": "grid", "axes": {"model.nsp": [True, False], "head": head}})
+    assert "axes.nsp and axes.head both set model.nsp" in text
 
 
 # -- labels of values the config coerces ------------------------------------------------------------

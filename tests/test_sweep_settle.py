@@ -1,5 +1,5 @@
-"""Settling a trial: the run directory's record decides whether it is a result, whatever the process's exit code,
-and a worker whose trial was taken back by another worker just before it settled keeps going.
+"""Settling a trial: the run directory's record decides whether it is a result, whatever the process's exit code, where
+the attempt wrote it, and a worker whose trial was taken back by another worker just before it settled keeps going.
 
 The queue and files are real; the trial processes are scripted (`sweep_fakes.fake_run`, a runner that dies after
 writing its record, or a stand-in child that the worker supervises in-process)."""
@@ -82,17 +82,29 @@ def test_a_killed_trial_whose_finished_record_lacks_the_objective_fails_for_that
     assert status == "failed" and "no finite 'valid_loss'" in error
 
 
-def test_the_results_status_follows_a_finished_record_not_an_earlier_versions_exit_code_verdict():
-    record = make_record("completed", {"valid_loss": 1.23}, {}, steps=10)
-    # what a worker before this fix wrote for a process that died after its record was written
-    killed = {"attempts": [{"id": "s#0", "outcome": "failed", "returncode": -9, "ended": 1.0, "error": "exit code -9"}]}
-    assert _status(record, killed) == ("completed", "")
-    # a verdict on the record itself (the objective missing, judged on exit code 0) still stands
-    judged = {"attempts": [{"id": "s#0", "outcome": "failed", "returncode": 0, "ended": 1.0,
-                            "error": "the run completed but its metrics.json has no finite 'valid_loss'"}]}
-    assert _status(make_record("completed", {}, {}, steps=10), judged)[0] == "failed"
-    # and a trial that never wrote a finished record stays failed
-    assert _status(None, killed) == ("failed", "exit code -9")
+def test_a_failed_process_does_not_take_a_finished_record_it_did_not_write_for_its_result(tmp_path):
+    """A record already in the directory when the attempt started (another config's finished run, which the trial
+    refused with RunDirConflict and exit code 1) is not this attempt's result: the attempt failed, and so does the
+    results table's row."""
+    queue = TrialQueue(optuna.storages.InMemoryStorage(), "s", max_retries=0)
+    from study.sweep.layout import SweepLayout
+
+    layout = SweepLayout(tmp_path / "s")
+    run = RunDir(layout.run_dir("p", 0))
+    run.path.mkdir(parents=True)
+    run.write(make_record("completed", {"valid_loss": 9.9}, {}, steps=10))  # there before the attempt
+    queue.sync([TrialSpec(key="p-s0", point="p", seed=0, label="baseline")])
+    attempt = worker._start(queue, layout, queue.claim({"p-s0"}), PLAN)
+    assert worker._settle(queue, layout, PLAN, attempt, rc=1) == "failed"
+    assert [t.state.name for t in queue.trials()] == ["FAIL"]
+    assert _last_attempt(attempt.run_dir)["outcome"] == "failed"
+    assert _status(run.read(), read_json_or_none(run.trial))[0] == "failed"
+    # the same record written during the attempt (a process killed after finishing) is its result
+    queue2 = TrialQueue(optuna.storages.InMemoryStorage(), "s2", max_retries=0)
+    queue2.sync([TrialSpec(key="p-s0", point="p", seed=0, label="baseline")])
+    attempt2 = worker._start(queue2, layout, queue2.claim({"p-s0"}), {**PLAN, "sweep": "s2"})
+    run.write(make_record("completed", {"valid_loss": 1.5}, {}, steps=10))
+    assert worker._settle(queue2, layout, {**PLAN, "sweep": "s2"}, attempt2, rc=-9) == "completed"
 
 
 def test_a_sweep_whose_trial_process_dies_after_finishing_tabulates_its_result(tmp_path):

@@ -407,7 +407,7 @@ class SweepResults:
     def _stage_run_dir(self, row: pd.Series | dict, stage: str | None) -> Path | None:
         run_dir = self.run_dir(row)
         if run_dir is not None and stage is not None:
-            stage_dir = stage_run_dirs(RunDir(run_dir).read()).get(stage)
+            stage_dir = stage_run_dirs(RunDir(run_dir).read(), run_dir).get(stage)
             run_dir = self.run_dir({"run_dir": stage_dir}) if stage_dir else None
         return run_dir
 

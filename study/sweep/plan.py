@@ -204,7 +204,7 @@ def _combos(spec: SweepConfig, axes: list[Axis]) -> list[tuple[str, str, dict[st
     return combos
 
 
-def _shared_fields(by_axis: dict[str, dict[str, Any]], by_name: dict[str, Axis]) -> list[str]:
+def _shared_fields(by_axis: dict[str, dict[str, Any]], by_name: dict[str, Axis], stages: list[str]) -> list[str]:
     """Axes of one point (`by_axis`, in the order their assignments are merged) that set the same field: the later
     one's value replaces the earlier's, so the earlier axis's label would name a value that never ran. Allowed only
     where the later axis is conditional on the earlier (`window` refining `span: local`): it applies exactly where
@@ -212,7 +212,9 @@ def _shared_fields(by_axis: dict[str, dict[str, Any]], by_name: dict[str, Axis])
     problems, names = [], list(by_axis)
     for i, first in enumerate(names):
         for second in names[i + 1:]:
-            shared = sorted(set(by_axis[first]) & set(by_axis[second]))
+            # one field however spelled: in a study in stages `model.nsp` is `pretrain.model.nsp` (route)
+            fields = {route(f, stages): f for f in by_axis[second]}
+            shared = sorted(f for f in by_axis[first] if route(f, stages) in fields)
             if shared and first not in by_name[second].when:
                 problems.append(f"axes.{first} and axes.{second} both set {', '.join(shared)}, and a point combines "
                                 f"them: {second}'s value would replace {first}'s, so {first}'s label would not be what "
@@ -242,7 +244,7 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
             plan.excluded.append(label)
             continue
         by_axis = {name: by_name[name].values[value] for name, value in labels.items() if value != NOT_APPLICABLE}
-        for problem in _shared_fields(by_axis, by_name):
+        for problem in _shared_fields(by_axis, by_name, spec.stage_names):
             if problem not in plan.refused:
                 plan.refused.append(problem)
         assignments = {k: v for fields in by_axis.values() for k, v in fields.items()}

@@ -33,9 +33,9 @@ def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tup
     attempts = (trial or {}).get("attempts", [])
     last = attempts[-1] if attempts else {}
     if metrics and metrics.get("status") in FINISHED:
-        # finished, but failed by its worker for what the record holds (its objective is missing: marked so, or
-        # judged on exit code 0 by earlier versions); a failure on the exit code alone left this result
-        if last.get("outcome") == "failed" and (last.get("objective_missing") or not last.get("returncode")):
+        # finished, but failed by its worker: its objective is missing, or the record was not this attempt's (the
+        # process stopped before training, e.g. on another config's run in the directory; study.sweep.worker)
+        if last.get("outcome") == "failed":
             return "failed", last.get("error", "")
         why = (metrics.get("divergence") or {}).get("reason", "") if metrics["status"] == DIVERGED else ""
         return metrics["status"], why  # a diverged run says which part of the divergence rule stopped it
@@ -56,7 +56,7 @@ def _resolved_value(run: RunDir, record: dict[str, Any] | None, path: str, stage
     stage, field = route(path, stages)
     directory = run.path
     if stage is not None:
-        directory = Path(stage_run_dirs(record).get(stage, ""))
+        directory = Path(stage_run_dirs(record, run.path).get(stage, ""))
     cfg = RunDir(directory).config if str(directory) else None
     if cfg is None or not cfg.is_file():
         return None
@@ -72,7 +72,7 @@ def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
                record: dict[str, Any] | None) -> dict[str, str] | None:
     """Each axis's label as the trial ran it (the value whose fields all equal its resolved config), or None
     before it has run. '?' marks a resolved config that matches none of the axis's values."""
-    from study.config.sweep import NOT_APPLICABLE, SweepConfig
+    from study.config.sweep import NOT_APPLICABLE, SweepConfig, route
 
     if record is None:
         return None
@@ -85,8 +85,9 @@ def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
     for i, axis in enumerate(applied):
         # a field a later axis of this point also sets is that axis's (a conditional axis refining this one's
         # value, as `window` refines `span: local`): this axis is read on the fields left to it
-        later = {f for other in applied[i + 1:] for f in other.values[point["axes"][other.name]]}
-        own = [f for f in axis.values[point["axes"][axis.name]] if f not in later]
+        stages = spec.stage_names  # (a field compared however spelled: `model.nsp` is `pretrain.model.nsp`)
+        later = {route(f, stages) for other in applied[i + 1:] for f in other.values[point["axes"][other.name]]}
+        own = [f for f in axis.values[point["axes"][axis.name]] if route(f, stages) not in later]
         ran = {f: _resolved_value(run, record, f, spec.stage_names) for f in own}
         if not own or all(v is None for v in ran.values()):
             continue  # nothing of its own to read (or no resolved config: a stand-in run): the plan's label stands
@@ -102,14 +103,16 @@ def _ran(ran: dict[str, Any], run: RunDir, record: dict[str, Any], path: str, st
     return ran[path]
 
 
-def _planned(point: dict[str, Any], axis: Any, later: set[str], stages: list[str]):
+def _planned(point: dict[str, Any], axis: Any, later: set[tuple], stages: list[str]):
     """(label, {field: value}) for each value of `axis`, the point's own first, on the fields not left to a later
     axis; each value as the validated config holds it, which is what a run writes: YAML reads `2e-3` as a string
     and the config stores 0.002, 'SST-2' as 'sst2'. The point's own value is its config's (plan.json); another value
     is this point's config with that value's fields applied, or, where that config is invalid, the spec's text."""
+    from study.config.sweep import route
+
     own = point["axes"][axis.name]
     for label in [own, *(lab for lab in axis.labels if lab != own)]:
-        fields = [f for f in axis.values[label] if f not in later]
+        fields = [f for f in axis.values[label] if route(f, stages) not in later]
         cfg = point["config"] if label == own else _with_fields(point["config"], axis.values[label], stages)
         yield label, {f: (_config_value(cfg, f, stages) if cfg is not None else axis.values[label][f]) for f in fields}
 
@@ -245,7 +248,8 @@ def curves_table(df, sweep_dir: Path):
         if not run_dir.is_dir():
             frames.append(previous[previous["trial_key"] == row["trial_key"]])
             continue
-        parts = [("", run_dir)] + [(name, Path(d)) for name, d in stage_run_dirs(RunDir(run_dir).read()).items()]
+        stage_dirs = stage_run_dirs(RunDir(run_dir).read(), run_dir)
+        parts = [("", run_dir)] + [(name, Path(d)) for name, d in stage_dirs.items()]
         for stage, directory in parts:
             frame = RunDir(directory).read_curves()
             if frame is not None:

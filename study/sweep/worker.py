@@ -136,6 +136,10 @@ class Attempt:
     runs_point: str
     record: dict[str, Any]
     tuning: tuple | None = None  # (Optuna study, Optuna trial) of a tuning trial
+    # the run directory's metrics.json when the attempt started (None: none): a record this attempt wrote is another
+    # file (atomic writes replace it), which is how a process that died after writing its result is told from one that
+    # stopped before training (e.g. on another config's finished run in the directory: RunDirConflict)
+    record_before: tuple[int, int] | None = None
 
     def write(self, sweep: str, **update: Any) -> None:
         self.record.update(update)
@@ -158,9 +162,17 @@ def _start(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[
     attempt = Attempt(claimed, run_dir, runs_point,
                       {"id": f"{plan['sweep']}#{claimed.number}", "trial": claimed.number,
                        "attempt": claimed.attempt, "worker": queue.worker, "started": time.time(),
-                       "kind": claimed.spec.kind}, tuning_pair)
+                       "kind": claimed.spec.kind}, tuning_pair, _file_identity(RunDir(run_dir).metrics))
     attempt.write(plan["sweep"])
     return attempt
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def _command(layout: SweepLayout, attempt: Attempt, opts: WorkerOptions) -> tuple[list[str], dict[str, str]]:
@@ -269,11 +281,14 @@ def _settle(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attemp
 
 def _settle_mine(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attempt: Attempt, rc: int) -> str:
     """A result (completed or diverged), or a failure (an error, or a completed run whose objective is not in its
-    record: a result nothing could rank). The run directory's record decides, whatever the exit code: a process
-    killed after writing its finished record left that result (the exit code stays in trial.json)."""
+    record: a result nothing could rank). The run directory's record decides, whatever the exit code, where this
+    attempt wrote it: a process killed after writing its finished record left that result (the exit code stays in
+    trial.json)."""
     sweep, metric, claimed = plan["sweep"], plan["objective"]["metric"], attempt.claimed
     run = RunDir(attempt.run_dir)
     record = run.finished()
+    if rc != 0 and _file_identity(run.metrics) == attempt.record_before:
+        record = None  # a failed process that wrote nothing: what the directory held is not this attempt's result
     value = metric_value(record, metric) if record else None
     if record is not None and (record["status"] != "completed" or value is not None):
         attempt.write(sweep, outcome=record["status"])
