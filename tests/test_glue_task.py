@@ -482,3 +482,16 @@ def test_real_glue_suite_smoke(tmp_path):
         dm = GlueDataModule(glue_cfg(dataset=task, vocab_size=400), data_dir=REAL_DATA, cache_dir=tmp_path / "cache")
         dm.prepare()
         assert (len(dm.encoded["train"]), len(dm.encoded["dev"])) == (n_train, n_dev)
+
+
+def test_the_validation_loss_curve_weights_each_batch_by_its_examples():
+    """A GLUE loss is a mean per example: `val/loss` averages batches by their examples, not their tokens (the dev set
+    is length-sorted, so token weights would let the long-sentence batches dominate the curve and the pruner)."""
+    from types import SimpleNamespace
+
+    from study.tasks.glue.module import GlueModule
+
+    module = SimpleNamespace(training_loss=lambda batch: (torch.tensor(0.5), torch.tensor(57)))  # 57 real tokens
+    batch = {"labels": torch.zeros(3, dtype=torch.long), "padding_mask": torch.ones(3, 19, dtype=torch.bool)}
+    loss, weight = GlueModule.validation_loss(module, batch)
+    assert loss.item() == 0.5 and weight == 3

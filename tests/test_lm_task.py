@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from study.config import ExperimentConfig
+from study.config import ConfigError, ExperimentConfig
 from study.model import build_model
 from study.run import RunDirConflict, load_model, run_experiment
 from study.tasks import family
@@ -299,6 +299,35 @@ def test_extrapolating_positions_give_numbers_at_every_length(corpus, position):
         loss, count = hand_loss(model, ids, length)
         assert count == len(ids) - 1
         assert math.exp(loss) == pytest.approx(curve[str(length)], rel=1e-5), length
+
+
+def test_a_length_the_split_cannot_fill_is_not_applicable_rather_than_a_shorter_window(corpus):
+    """A length with no full window in the split would be measured on one shorter window under its label: 'n/a'."""
+    ids, _ = hand_valid_ids(corpus)
+    too_long = (len(ids) - 1) // 16 + 1  # the smallest multiple of seq_len (16) longer than the split's predictions
+    cfg = make_cfg(model={"position": "rope", "n_layers": 1, "dropout": 0.0}, task={"eval_lengths": [1, 2, too_long]},
+                   train={"max_steps": 2})
+    curve = run(corpus, cfg, "longer-than-split")["metrics"]["valid_ppl_by_length"]
+    assert curve[str(16 * too_long)] == NOT_APPLICABLE
+    assert isinstance(curve["32"], float) and math.isfinite(curve["32"])
+
+
+def test_lm_declines_objectives_it_never_writes():
+    """The length curve is written for the last split only, and the 2x point only where eval_lengths has 2."""
+    task = LanguageModelling()
+    wikitext = make_cfg(task={"dataset": "wikitext-2", "eval_lengths": [1, 2]})
+    assert "last split only (test)" in task.unwritten_metric(wikitext, "valid_ppl_at_2x")
+    assert task.unwritten_metric(wikitext, "test_ppl_at_2x") is None
+    shakespeare = make_cfg(task={"eval_lengths": [1, 4]})
+    assert "has no 2" in task.unwritten_metric(shakespeare, "valid_ppl_at_2x")
+    assert task.unwritten_metric(make_cfg(task={"eval_lengths": [1, 2]}), "valid_ppl_at_2x") is None
+
+
+def test_eval_tokens_must_hold_a_window_of_the_longest_evaluation_length():
+    with pytest.raises(ConfigError) as err:
+        make_cfg(task={"eval_lengths": [1, 8], "eval_tokens": 100})  # 8 x 16 = 128 tokens
+    assert "eval_tokens" in str(err.value) and "128" in str(err.value)
+    assert make_cfg(task={"eval_lengths": [1, 8], "eval_tokens": 128}).task.eval_tokens == 128
 
 
 # --- divergence -----------------------------------------------------------------------------------

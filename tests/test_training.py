@@ -383,7 +383,7 @@ def test_lm_training_loss_applies_label_smoothing_and_validation_does_not():
 def test_lm_evaluation_can_be_limited_to_the_first_tokens():
     from study.tasks.lm import LMDataModule
 
-    cfg = ExperimentConfig(model=tiny_model_cfg(), task=TaskConfig(seq_len=8, eval_tokens=20),
+    cfg = ExperimentConfig(model=tiny_model_cfg(), task=TaskConfig(seq_len=8, eval_lengths=(1, 2), eval_tokens=20),
                            train=TrainConfig(batch_size=2))
     dm = LMDataModule(cfg)
     dm.ids = {"test": torch.arange(100)}

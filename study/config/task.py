@@ -112,8 +112,10 @@ class TaskConfig(Config):
         p.check(self.vocab_size is None or self.vocab_size >= 16, "vocab_size", "must be >= 16 or null")
         p.check(len(self.eval_lengths) >= 1 and all(k >= 1 for k in self.eval_lengths), "eval_lengths",
                 f"must be multiples >= 1 of seq_len, got {list(self.eval_lengths)}")
-        p.check(self.eval_tokens is None or self.eval_tokens > self.seq_len, "eval_tokens",
-                f"must exceed seq_len={self.seq_len} or be null (the whole split), got {self.eval_tokens}")
+        longest = max(self.eval_lengths, default=1) * self.seq_len  # a window of every evaluation length
+        p.check(self.eval_tokens is None or self.eval_tokens >= longest, "eval_tokens",
+                f"must hold one window of the longest evaluation length, max(eval_lengths) x seq_len = {longest} "
+                f"tokens, or be null (the whole split); got {self.eval_tokens}")
         p.choice("src_lang", self.src_lang, LANGS)
         p.choice("tgt_lang", self.tgt_lang, LANGS)
         p.check(self.src_lang != self.tgt_lang, "tgt_lang", "must differ from src_lang")

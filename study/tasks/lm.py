@@ -41,7 +41,7 @@ class LanguageModelling(TaskFamily):
         MetricSpec("*_ppl_by_length.*", "minimize", "perplexity",
                    "the vocabulary size for a uniform prediction", objective=False,
                    description="perplexity at each evaluation length (key: tokens) on the last split; 'n/a' where "
-                               "a position table cannot reach"),
+                               "a position table cannot reach or the split holds no window of that length"),
         MetricSpec("*_ppl_at_2x", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
                    description="perplexity at twice the training length (Press et al. 2022's extrapolation test)"),
     )
@@ -58,6 +58,12 @@ class LanguageModelling(TaskFamily):
         splits = EVAL_SPLITS.get(cfg.task.dataset, ("valid", "test"))
         if split in ("valid", "test") and split not in splits:
             return f"{cfg.task.dataset} has no {split} split (only {list(splits)}): {metric} is never written"
+        extrapolation = "_ppl_by_length" in metric or metric.endswith("_ppl_at_2x")
+        if extrapolation and split != splits[-1]:
+            return (f"the length curve is measured on the last split only ({splits[-1]}): {metric} is never written; "
+                    f"use {splits[-1]}{metric[len(split):]}")
+        if metric.endswith("_ppl_at_2x") and 2 not in cfg.task.eval_lengths:
+            return f"task.eval_lengths={list(cfg.task.eval_lengths)} has no 2: {metric} is never written"
         return None
 
 
@@ -96,6 +102,11 @@ class LMDataModule(StudyDataModule):
         idx = starts[:, None] + torch.arange(t + 1)
         window = data[idx]
         return window[:, :-1], window[:, 1:]
+
+    def eval_token_count(self, split: str) -> int:
+        """How many tokens an evaluation of `split` predicts (its first task.eval_tokens, or all of them)."""
+        n = len(self.ids[split]) - 1
+        return n if self.cfg.task.eval_tokens is None else min(n, self.cfg.task.eval_tokens)
 
     def windows(self, split: str, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Non-overlapping windows covering the split (or its first task.eval_tokens tokens; the
@@ -164,6 +175,8 @@ class LMModule(StudyModule):
             if k == 1:
                 curve[str(length)] = out[f"{last}_ppl"]
             elif not extrapolates and length > cfg.model.max_seq_len:
+                curve[str(length)] = NOT_APPLICABLE
+            elif dm.eval_token_count(last) < length:  # not one window of that length: the label would not be true
                 curve[str(length)] = NOT_APPLICABLE
             else:
                 curve[str(length)] = math.exp(self.split_loss(dm.windows(last, length)))

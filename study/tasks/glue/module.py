@@ -43,6 +43,13 @@ class GlueModule(StudyModule):
         tokens = batch["padding_mask"].sum() if "padding_mask" in batch else batch["input_ids"].numel()  # read later
         return loss, tokens
 
+    def validation_loss(self, batch) -> tuple[torch.Tensor, int]:
+        """(mean loss over the batch's examples, its examples): the loss is a mean per example, so the epoch's
+        `val/loss` weights each batch by its examples; weighted by tokens, the long-sentence batches of the
+        length-sorted dev set would dominate the curve (and tuning's pruner, which reads it)."""
+        loss, _ = self.training_loss(batch)
+        return loss, int(batch["labels"].shape[0])
+
     @torch.no_grad()
     def predict(self, dm: GlueDataModule, split: str) -> list:
         """Predicted class ids (scores for STS-B) for every example of a split, in file order."""
