@@ -105,6 +105,20 @@ def test_sinusoidal_and_t5_bias_rules_live_on_their_classes():
     ModelConfig(**base, d_model=16, position="rope", rel_buckets=2, rel_max_distance=1)  # only t5_bias reads them
 
 
+def test_t5_bias_distance_bound_follows_the_stacks_direction():
+    """T5's log-spaced buckets start past the exact offsets: rel_buckets // 2 of them in a causal stack, // 4 per
+    direction in a bidirectional one, so an encoder-only model may use a shorter max distance than a decoder."""
+    from study.axes.position import t5_relative_bucket
+
+    small = dict(d_model=16, n_heads=2, n_layers=1, vocab_size=10, max_seq_len=64, position="t5_bias", rel_buckets=32)
+    ModelConfig(**small, arch="encoder", objective="mlm", rel_max_distance=16)  # > 32 // 4
+    buckets = t5_relative_bucket(torch.arange(-100, 101), True, 32, 16)
+    assert buckets.min() >= 0 and buckets.max() <= 31  # every offset lands in the table
+    for arch in ("decoder", "encoder-decoder"):  # a causal stack needs > 32 // 2
+        with pytest.raises(ConfigError, match="rel_max_distance"):
+            ModelConfig(**small, arch=arch, rel_max_distance=16)
+
+
 def test_learned_positions_declare_how_far_they_reach():
     from study.config import ExperimentConfig
 

@@ -120,6 +120,13 @@ def test_presets_are_the_published_recipes():
     assert preset("gpt2").activation == "gelu_tanh"
 
 
+def test_an_encoder_decoder_preset_deepens_both_stacks_and_lets_arch_be_overridden():
+    assert preset("vaswani").resolved_encoder_layers == 6 and preset("t5").resolved_encoder_layers == 12  # published
+    assert preset("t5", n_layers=4).resolved_encoder_layers == 4
+    assert preset("vaswani", n_layers=2, n_encoder_layers=3).resolved_encoder_layers == 3
+    assert preset("t5", arch="decoder").arch == "decoder"
+
+
 def test_preset_overrides_are_validated():
     assert preset("llama2", norm="layernorm").norm == "layernorm"
     with pytest.raises(ConfigError, match="n_kv_heads"):

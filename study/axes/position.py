@@ -269,9 +269,12 @@ class T5RelativeBias(PositionScheme):
     @classmethod
     def validate(cls, cfg, problems) -> None:
         problems.check(cfg.rel_buckets >= 4, "rel_buckets", f"t5_bias needs rel_buckets >= 4, got {cfg.rel_buckets}")
-        problems.check(cfg.rel_max_distance > cfg.rel_buckets // 2, "rel_max_distance",
-                       f"must exceed rel_buckets // 2 = {cfg.rel_buckets // 2} (the exact-offset buckets), "
-                       f"got {cfg.rel_max_distance}")
+        # the log-spaced buckets start past the exact-offset ones: rel_buckets // 2 in a causal stack, and // 4 in a
+        # bidirectional one (half the buckets per direction), so only an encoder-only model gets the lower bound
+        exact = cfg.rel_buckets // 4 if cfg.arch == "encoder" else cfg.rel_buckets // 2
+        problems.check(cfg.rel_max_distance > exact, "rel_max_distance",
+                       f"must exceed {exact} (the exact-offset buckets of rel_buckets={cfg.rel_buckets} in "
+                       f"arch={cfg.arch!r}), got {cfg.rel_max_distance}")
 
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)

@@ -11,11 +11,13 @@ from typing import Any
 
 from study.config.model import ModelConfig
 
+# An encoder-decoder preset leaves n_encoder_layers to its rule (None: as many as n_layers; both published models
+# have equal depths), so that overriding n_layers deepens both stacks and arch stays overridable.
 PRESETS: dict[str, dict[str, Any]] = {
     # Vaswani et al. 2017, "Attention Is All You Need", base model (Table 3).
     "vaswani": dict(
         arch="encoder-decoder", norm_position="post", norm="layernorm", norm_eps=1e-5, position="sinusoidal",
-        activation="relu", d_model=512, n_layers=6, n_encoder_layers=6, n_heads=8, dropout=0.1,
+        activation="relu", d_model=512, n_layers=6, n_heads=8, dropout=0.1,
         embed_scale=True, tie_embeddings=True, bias=True, vocab_size=37000, max_seq_len=1024,
     ),
     # Devlin et al. 2018, BERT-base: post-LN, learned positions, segments, embedding LayerNorm, MLM + NSP.
@@ -35,8 +37,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # initialisation) and rescales tied output logits by d_model^-1/2.
     "t5": dict(
         arch="encoder-decoder", norm_position="pre", norm="rmsnorm", norm_eps=1e-6, position="t5_bias",
-        rel_buckets=32, rel_max_distance=128, activation="relu", d_model=768, n_layers=12, n_encoder_layers=12,
-        n_heads=12, dropout=0.1, bias=False, tie_embeddings=True, vocab_size=32128, max_seq_len=512,
+        rel_buckets=32, rel_max_distance=128, activation="relu", d_model=768, n_layers=12, n_heads=12,
+        dropout=0.1, bias=False, tie_embeddings=True, vocab_size=32128, max_seq_len=512,
     ),
     # d_ff is left to the rule (4 d_model, or 8/3 d_model rounded up to 256 for gated FFNs), so it
 # scales when a sweep overrides d_model; Mistral's 14,336 (3.5 d_model) is not that rule and is set.
