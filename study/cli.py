@@ -19,14 +19,25 @@ import sys
 from pathlib import Path
 
 
-def _path_problems(data_dir: str | None = None, out_dir: tuple[str, str | None] | None = None) -> list[str]:
+def _path_problems(data_dir: str | None = None, *out_dirs: tuple[str, str | None]) -> list[str]:
     """What is wrong with the folders a command was given, before it reads or writes anything: a --data-dir that is a
-    file, an output folder (--out, --results) that is a file, under a file, or in a folder this user cannot write."""
+    file or does not exist (a typo would otherwise read the hub's copy instead, after a warning), a folder it writes
+    (--out, --results, --cache-dir) that is a file, under a file, or in a folder this user cannot write."""
     problems = []
     if data_dir and Path(data_dir).exists() and not Path(data_dir).is_dir():
         problems.append(f"--data-dir {data_dir} is a file; give the folder that holds the datasets")
-    if out_dir and out_dir[1]:
-        flag, path = out_dir[0], Path(out_dir[1])
+    elif data_dir and not Path(data_dir).exists():
+        problems.append(f"--data-dir {data_dir} does not exist; give the folder that holds the datasets, or none to "
+                        "read the Hugging Face hub")
+    for out_dir in out_dirs:
+        problems += _out_dir_problems(*out_dir)
+    return problems
+
+
+def _out_dir_problems(flag: str, path: str | None) -> list[str]:
+    problems = []
+    if path:
+        path = Path(path)
         existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
         if existing == path and not path.is_dir():
             problems.append(f"{flag} {path} is a file; give a folder (it is created if missing)")
@@ -46,7 +57,7 @@ def _cannot_write(command: str, err: OSError) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from study.config import ConfigError, load_experiment
 
-    if problems := _path_problems(args.data_dir, ("--out", args.out)):
+    if problems := _path_problems(args.data_dir, ("--out", args.out), ("--cache-dir", args.cache_dir)):
         print("study run: " + "; ".join(problems), file=sys.stderr)
         return 2
     try:
@@ -85,7 +96,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     # the in-process worker (--workers 1) reports each trial as the worker processes do
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("study.sweep").setLevel(logging.INFO)
-    if problems := _path_problems(args.data_dir, ("--results", args.results)):
+    if problems := _path_problems(args.data_dir, ("--results", args.results), ("--cache-dir", args.cache_dir)):
         print("study sweep: " + "; ".join(problems), file=sys.stderr)
         return 2
     opts = SweepOptions(results=args.results, storage=args.storage, workers=args.workers, threads=args.threads,
@@ -260,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     score.add_argument("model", help="hub id or local folder of a seq2seq checkpoint with its tokenizer")
     score.add_argument("--src", default="de", choices=["de", "en"])
     score.add_argument("--tgt", default="en", choices=["de", "en"])
-    score.add_argument("--beam", type=int, default=4)
-    score.add_argument("--batch-size", type=int, default=16)
-    score.add_argument("--limit", type=int, help="score only the first N segments (the JSON says it is partial)")
+    score.add_argument("--beam", type=_positive_int, default=4)
+    score.add_argument("--batch-size", type=_positive_int, default=16)
+    score.add_argument("--limit", type=_positive_int,
+                       help="score only the first N segments (the JSON says it is partial)")
     score.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR"),
                        help="local dataset folder (default: $STUDY_DATA_DIR; else the Hugging Face hub)")
     score.add_argument("--out", help="result JSON (default: runs/newstest2014-SRC-TGT-MODEL.json)")

@@ -99,15 +99,15 @@ def test_missing_config_file_exits_2(workdir, capsys):
     assert "nope.yaml does not exist" in capsys.readouterr().err
 
 
-def test_missing_data_dir_exits_2_with_the_data_error(workdir, capsys):
-    missing = workdir / "no-such-data"
+def test_missing_data_exits_2_with_the_data_error(workdir, capsys):
+    empty = workdir / "empty-data"  # a data folder without this dataset, and no hub: one error naming both
+    empty.mkdir()
     out = workdir / "run"
-    code = main(["run", str(workdir / "exp.yaml"), "--data-dir", str(missing), "--out", str(out),
+    code = main(["run", str(workdir / "exp.yaml"), "--data-dir", str(empty), "--out", str(out),
                  "--cache-dir", str(workdir / "cache")])
     assert code == 2
     err = capsys.readouterr().err
     assert "dataset 'tinyshakespeare' is not available." in err
-    assert f"the data folder {missing} does not exist" in err
     assert "offline mode (HF_HUB_OFFLINE=1)" in err
     assert "tinyshakespeare/input.txt" in err
     assert "--data-dir" in err and "STUDY_DATA_DIR" in err

@@ -71,3 +71,31 @@ def test_a_binary_sweep_spec_is_named_as_not_yaml(workdir, capsys):
     assert main(["sweep", str(spec)]) == 2
     err = capsys.readouterr().err
     assert f"{spec}: not valid YAML" in err and "Traceback" not in err
+
+
+def test_a_data_dir_that_does_not_exist_is_refused_rather_than_read_from_the_hub(workdir, monkeypatch, capsys):
+    """A mistyped --data-dir would otherwise fall back to the hub's copy after a warning (different bytes, perhaps
+    different splits); only a folder left out reads the hub."""
+    _no_training(monkeypatch)
+    missing = workdir / "no-such-data"
+    assert main(["run", str(workdir / "exp.yaml"), "--data-dir", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--data-dir {missing} does not exist" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_a_cache_dir_that_is_a_file_is_refused_before_the_data_is_read(workdir, monkeypatch, capsys, command):
+    _no_training(monkeypatch)
+    cache = workdir / "cachefile"
+    cache.write_text("x")
+    assert main([command, str(workdir / "exp.yaml"), "--cache-dir", str(cache)]) == 2
+    assert f"--cache-dir {cache} is a file" in capsys.readouterr().err
+    assert cache.read_text() == "x"
+
+
+@pytest.mark.parametrize("flag", ["--beam", "--batch-size", "--limit"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_score_mt_counts_must_be_positive(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["score-mt", "some/model", flag, value])
+    assert exit_.value.code == 2 and "must be an integer >= 1" in capsys.readouterr().err

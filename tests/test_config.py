@@ -127,6 +127,14 @@ def test_an_encoder_decoder_preset_deepens_both_stacks_and_lets_arch_be_overridd
     assert preset("t5", arch="decoder").arch == "decoder"
 
 
+def test_replacing_the_arch_derives_its_default_objective_again():
+    assert ModelConfig(arch="decoder").replace(arch="encoder").objective == "mlm"
+    assert ModelConfig(arch="encoder").replace(arch="encoder-decoder").objective == "seq2seq"
+    assert ModelConfig(arch="decoder").replace(arch="encoder", objective="mlm").objective == "mlm"
+    with pytest.raises(ConfigError, match="objective"):  # an objective named in the change is kept, and checked
+        ModelConfig(arch="decoder").replace(arch="encoder", objective="clm")
+
+
 def test_preset_overrides_are_validated():
     assert preset("llama2", norm="layernorm").norm == "layernorm"
     with pytest.raises(ConfigError, match="n_kv_heads"):

@@ -10,6 +10,7 @@ is first validated, not when `study.config` is imported (which stays free of tor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from study.config.base import Config, Problems
 
@@ -69,6 +70,13 @@ class ModelConfig(Config):
     def _resolve_defaults(self) -> None:
         if self.objective is None and self.arch in DEFAULT_OBJECTIVE:
             object.__setattr__(self, "objective", DEFAULT_OBJECTIVE[self.arch])
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """Config.replace, except that a new arch gets its own default objective where this config has its old
+        arch's default (stored resolved, it would otherwise be carried over and refused: clm on an encoder)."""
+        if "arch" in changes and "objective" not in changes and self.objective == DEFAULT_OBJECTIVE.get(self.arch):
+            changes["objective"] = None
+        return super().replace(**changes)
 
     @property
     def resolved_n_kv_heads(self) -> int:

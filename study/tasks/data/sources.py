@@ -279,7 +279,8 @@ def load_from_sources(
         try:
             revision = hub_revision(source.hub_id)
             if root is not None:
-                log.warning("%s: local files missing under %s; using the hub copy %s", source.name, root, source.hub_id)
+                log.warning("%s: local files missing under %s (%s); using the hub copy %s", source.name, root,
+                            ", ".join(missing), source.hub_id)
             return load_hub(revision)
         except HubUnavailable as e:
             reasons.append(f"hub: {e}")
