@@ -686,3 +686,17 @@ def test_local_folder_missing_files_falls_back_to_hub(fake_hub, root):
     qnli = load_glue("QNLI", data_dir=root)  # local copy lacks train.tsv
     assert qnli.fingerprint["source"] == "hub" and len(qnli["train"]) == 1
     assert load_glue("RTE", data_dir=root).fingerprint["source"] == "local"  # complete local copy wins
+
+
+@pytest.mark.parametrize("kind", ["bpe", "wordpiece"])
+def test_a_vocab_size_below_what_the_tokenizer_can_have_is_refused(kind):
+    """A trainer never goes below its alphabet and special tokens: a smaller vocab_size would be ignored, and a sweep
+    over small sizes would train one model under many labels."""
+    from study.tasks.data import DataError
+    from study.tasks.data.tokenizers import build_tokenizer
+
+    texts = ["the quick brown fox jumps over the lazy dog"] * 50
+    with pytest.raises(DataError, match="vocab_size=16 is below the smallest"):
+        build_tokenizer(kind, texts, vocab_size=16, special_tokens=["<pad>", "<unk>"])
+    big = 300 if kind == "bpe" else 60
+    assert build_tokenizer(kind, texts, vocab_size=big, special_tokens=["<pad>", "<unk>"]).vocab_size <= big

@@ -296,6 +296,9 @@ def build_tokenizer(
     specials = list(dict.fromkeys(special_tokens))
     if kind == "wordpiece":
         specials = _with(specials, unk)
+    if kind == "bpe" and vocab_size < 256 + len(specials):  # byte-level BPE starts from all 256 bytes
+        raise DataError(f"vocab_size={vocab_size} is below the smallest byte-level BPE vocabulary, 256 bytes + "
+                        f"{len(specials)} special tokens = {256 + len(specials)}; the tokenizer would ignore it")
     options = {"lowercase": lowercase, "unk_token": unk, "min_frequency": min_freq, "newline_token": newline_token}
     if cache_dir is not None and fingerprint is None:
         texts = list(texts)
@@ -308,11 +311,21 @@ def build_tokenizer(
         if cached is not None:
             return TrainedTokenizer(cached, kind, key, path, True, tuple(specials), unk, options)
     tok = _train(kind, texts, vocab_size, specials, min_freq, lowercase, unk, newline_token)
+    _check_not_above(kind, vocab_size, tok)
     if path is not None:
         _save(tok, path, {"kind": kind, "vocab_size_requested": vocab_size,
                           "vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_tokens": specials,
                           "options": options, "fingerprint": fingerprint, "key": key})
     return TrainedTokenizer(tok, kind, key, path, False, tuple(specials), unk, options)
+
+
+def _check_not_above(kind: str, vocab_size: int | None, tok: Tokenizer) -> None:
+    """A trainer never goes below its alphabet and special tokens: a vocabulary larger than asked would train a
+    model of another size than the config names (a sweep over small sizes would train one model under many labels)."""
+    got = tok.get_vocab_size(with_added_tokens=True)
+    if kind in ("bpe", "wordpiece") and vocab_size is not None and got > vocab_size:
+        raise DataError(f"vocab_size={vocab_size} is below the smallest {kind} vocabulary of this data ({got}: its "
+                        f"alphabet and special tokens); the tokenizer would ignore it: use vocab_size >= {got}")
 
 
 def _cached(path: Path) -> Tokenizer | None:
