@@ -81,19 +81,18 @@ def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
     # in the order the plan merged their assignments (plain axes, then conditional ones): where two set a field,
     # the later one's value is the one that ran
     applied = [by_name[name] for name, label in point["axes"].items() if name in by_name and label != NOT_APPLICABLE]
-    out = {}
+    out, stages = {}, spec.stage_names
     for i, axis in enumerate(applied):
         # a field a later axis of this point also sets is that axis's (a conditional axis refining this one's
-        # value, as `window` refines `span: local`): this axis is read on the fields left to it
-        stages = spec.stage_names  # (a field compared however spelled: `model.nsp` is `pretrain.model.nsp`)
+        # value, as `window` refines `span: local`), compared however spelled (`model.nsp` is `pretrain.model.nsp`):
+        # this axis is read on the fields left to it
         later = {route(f, stages) for other in applied[i + 1:] for f in other.values[point["axes"][other.name]]}
         own = [f for f in axis.values[point["axes"][axis.name]] if route(f, stages) not in later]
-        ran = {f: _resolved_value(run, record, f, spec.stage_names) for f in own}
+        ran = {f: _resolved_value(run, record, f, stages) for f in own}
         if not own or all(v is None for v in ran.values()):
             continue  # nothing of its own to read (or no resolved config: a stand-in run): the plan's label stands
-        out[axis.name] = next((label for label, fields in _planned(point, axis, later, spec.stage_names)
-                               if all(_ran(ran, run, record, f, spec.stage_names) == v for f, v in fields.items())),
-                              "?")
+        out[axis.name] = next((label for label, fields in _planned(point, axis, later, stages)
+                               if all(_ran(ran, run, record, f, stages) == v for f, v in fields.items())), "?")
     return out
 
 

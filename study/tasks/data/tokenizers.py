@@ -309,6 +309,7 @@ def build_tokenizer(
         path = Path(cache_dir) / f"{kind}-{vocab_size if vocab_size is not None else 'all'}-{key[:20]}.json"
         cached = _cached(path)
         if cached is not None:
+            _check_not_above(kind, vocab_size, cached)  # a cache written before the check holds one as well
             return TrainedTokenizer(cached, kind, key, path, True, tuple(specials), unk, options)
     tok = _train(kind, texts, vocab_size, specials, min_freq, lowercase, unk, newline_token)
     _check_not_above(kind, vocab_size, tok)
