@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
+from study.io import dump_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def _spec(folder: Path, trials: int, steps: int) -> Path:
             "objective": {"metric": "valid_loss", "direction": "minimize"},
             "set": {"train.max_steps": steps, "train.eval_every": steps, "train.checkpoint_every": steps}}
     path = folder / "overhead.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    path.write_text(dump_yaml(spec))
     return path
 
 

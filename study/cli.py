@@ -170,9 +170,9 @@ def _sweep_dir(sweep: str, results: str) -> Path:
     if path.is_dir():
         return path
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        import yaml
+        from study.io import load_yaml
 
-        return Path(results) / (yaml.safe_load(path.read_text()) or {}).get("name", path.stem)
+        return Path(results) / (load_yaml(path.read_text()) or {}).get("name", path.stem)
     return Path(results) / sweep
 
 

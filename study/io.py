@@ -1,5 +1,5 @@
-"""Atomic file writes: a reader (or a crash) never sees a half-written file; and the lock processes that share a
-file take turns under."""
+"""Atomic file writes: a reader (or a crash) never sees a half-written file; the lock processes that share a
+file take turns under; and the YAML every config, spec and `--set` value is read and written with."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+import yaml
 
 
 def _umask() -> int:
@@ -83,3 +86,53 @@ def exclusive_lock(lock_file: str | Path, on_wait: Callable[[], None] | None = N
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# YAML 1.2 core-schema scalars. PyYAML resolves plain scalars by YAML 1.1, where `010` is 8 (octal), `1:30` is 90
+# (base 60), `no` and `off` are false (a language code `no` becomes a boolean), `2026-11-26` a date and `2e-3` a
+# string. A config field given one of those would silently hold another value than the user wrote, so configs and
+# specs are read (and written, so that what is written reads back the same) with the core schema's rules:
+# true/false, decimal / 0o / 0x integers, decimal floats with an optional exponent, .inf/.nan, null/~.
+_BOOL, _INT, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_YAML11_ONLY = {_BOOL, _INT, _FLOAT, "tag:yaml.org,2002:timestamp"}
+_CORE_RESOLVERS = [
+    (_BOOL, r"true|True|TRUE|false|False|FALSE", "tTfF"),
+    (_INT, r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
+    (_FLOAT, r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)",
+     "-+0123456789."),
+]
+
+
+def _core_resolvers(cls: type, keep_yaml11: bool = False) -> None:
+    cls.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if keep_yaml11 or tag not in _YAML11_ONLY]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for tag, pattern, first in _CORE_RESOLVERS:
+        cls.add_implicit_resolver(tag, re.compile(f"^(?:{pattern})$"), list(first))
+
+
+class _CoreLoader(yaml.SafeLoader):
+    def construct_yaml_int(self, node: yaml.Node) -> int:
+        text = self.construct_scalar(node)
+        base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+        return int(text[2:] if base != 10 else text, base)
+
+
+class _CoreDumper(yaml.SafeDumper):
+    pass
+
+
+_CoreLoader.add_constructor(_INT, _CoreLoader.construct_yaml_int)
+_core_resolvers(_CoreLoader)
+_core_resolvers(_CoreDumper, keep_yaml11=True)  # quote what either reader takes for a non-string: any tool reads it
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text with YAML 1.2 core-schema scalars (see above)."""
+    return yaml.load(text, Loader=_CoreLoader)
+
+
+def dump_yaml(data: Any) -> str:
+    """Write `data` so that `load_yaml` (and a YAML 1.1 reader) reads it back equal: a string like "010", "1e5" or
+    "no" is quoted."""
+    return yaml.dump(data, Dumper=_CoreDumper, sort_keys=False)

@@ -150,6 +150,28 @@ def test_parse_overrides_reads_yaml_scalars():
         parse_overrides(["window"])
 
 
+def test_overrides_and_config_files_read_numbers_as_written_yaml_1_2():
+    """PyYAML's YAML 1.1 reads `010` as 8, `1:30` as 90 and `no` as false: a seed or a name would silently hold
+    another value than the one written. Configs, specs and `--set` follow YAML 1.2's core schema instead."""
+    assert parse_overrides(["train.seed=010", "a=1:30", "b=no", "c=2e-3", "d=2026-11-26", "e=0x10", "f=on"]) == {
+        "train.seed": 10, "a": "1:30", "b": "no", "c": 0.002, "d": "2026-11-26", "e": 16, "f": "on"}
+    assert TrainConfig.from_yaml("seed: 010\nlr: 3e-4\n").seed == 10
+    assert TrainConfig.from_yaml("seed: 010\nlr: 3e-4\n").lr == 3e-4
+
+
+def test_a_written_config_reads_back_equal_even_where_a_string_looks_like_a_number():
+    import yaml  # a YAML 1.1 reader (another tool) reads what we write the same way too
+
+    from study.config import ExperimentConfig
+    from study.io import dump_yaml, load_yaml
+
+    for name in ["010", "1e5", "no", "2026-11-26", "true", "0o7", "1_000"]:
+        cfg = ExperimentConfig.from_dict({"name": name})
+        assert ExperimentConfig.from_yaml(cfg.to_yaml()) == cfg
+        assert load_yaml(dump_yaml({"name": name})) == {"name": name}
+        assert yaml.safe_load(dump_yaml({"name": name})) == {"name": name}
+
+
 def test_segment_embeddings_only_on_encoders():
     problems, _ = problems_of(arch="decoder", type_vocab_size=2)
     assert any(p.startswith("type_vocab_size:") for p in problems)

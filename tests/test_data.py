@@ -551,10 +551,10 @@ def test_tokenizer_cache_without_fingerprint_hashes_texts(tmp_path):
 
 def test_wordpiece_lowercase(tmp_path):
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = build_tokenizer("wordpiece", TEXTS, 200, specials, tmp_path, {"t": 1}, lowercase=True)
+    tok = build_tokenizer("wordpiece", TEXTS, 120, specials, tmp_path, {"t": 1}, lowercase=True)
     assert tok.special_ids == {t: i for i, t in enumerate(specials)}
     assert tok.decode(tok.encode("A DOG runs")) == "a dog runs"
-    cased = build_tokenizer("wordpiece", TEXTS, 200, specials, tmp_path, {"t": 1})
+    cased = build_tokenizer("wordpiece", TEXTS, 120, specials, tmp_path, {"t": 1})
     assert cased.path != tok.path and "A" in cased.decode(cased.encode("A dog"))
 
 
@@ -585,14 +585,14 @@ def test_tokenizer_argument_errors():
 
 def test_translation_tokenizers_joint_and_separate(root, tmp_path):
     corpus = load_translation("multi30k", "de", "en", data_dir=root)
-    src, tgt = build_translation_tokenizers("bpe", corpus, 280, ["<pad>", "<s>", "</s>"], tmp_path)
+    src, tgt = build_translation_tokenizers("bpe", corpus, 265, ["<pad>", "<s>", "</s>"], tmp_path)
     assert src is tgt
     for s, t in corpus.train:
         assert src.decode(src.encode(s)) == s and tgt.decode(tgt.encode(t)) == t
     s2, t2 = build_translation_tokenizers("char", corpus, None, ["<pad>"], tmp_path, joint=False)
     assert s2 is not t2 and s2.path != t2.path
     assert s2.token_to_id("ä") is not None and t2.token_to_id("ä") is None  # German-only character
-    again, _ = build_translation_tokenizers("bpe", corpus, 280, ["<pad>", "<s>", "</s>"], tmp_path)
+    again, _ = build_translation_tokenizers("bpe", corpus, 265, ["<pad>", "<s>", "</s>"], tmp_path)
     assert again.from_cache and again.path == src.path
     assert os.path.dirname(again.path) == str(tmp_path)
 
@@ -698,5 +698,19 @@ def test_a_vocab_size_below_what_the_tokenizer_can_have_is_refused(kind):
     texts = ["the quick brown fox jumps over the lazy dog"] * 50
     with pytest.raises(DataError, match="vocab_size=16 is below the smallest"):
         build_tokenizer(kind, texts, vocab_size=16, special_tokens=["<pad>", "<unk>"])
-    big = 300 if kind == "bpe" else 60
-    assert build_tokenizer(kind, texts, vocab_size=big, special_tokens=["<pad>", "<unk>"]).vocab_size <= big
+    fits = 280 if kind == "bpe" else 60
+    assert build_tokenizer(kind, texts, vocab_size=fits, special_tokens=["<pad>", "<unk>"]).vocab_size == fits
+
+
+@pytest.mark.parametrize("kind", ["bpe", "wordpiece"])
+def test_a_vocab_size_above_what_the_data_yields_is_refused(kind, tmp_path):
+    """The trainer stops when no pair is left to merge: a larger vocab_size would silently train a smaller model under
+    the larger size's label (and two sizes of a sweep would be one model). Refused, naming the size the data gives;
+    a cached tokenizer meets the same check."""
+    from study.tasks.data import DataError
+    from study.tasks.data.tokenizers import build_tokenizer
+
+    texts = ["the quick brown fox jumps over the lazy dog"] * 50
+    with pytest.raises(DataError, match=r"vocab_size=2000 is more than this data yields: .* use vocab_size <= \d+"):
+        build_tokenizer(kind, texts, vocab_size=2000, special_tokens=["<pad>", "<unk>"], cache_dir=tmp_path)
+    assert not list(tmp_path.glob("*.json"))  # nothing cached under the size it does not have

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from study.config import content_hash
 from study.sweep import expand, load_spec
-from study.sweep.estimate import basis_sentence, estimate, length_basis
+from study.sweep.estimate import basis_sentence, estimate, length_basis, training_flops
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = REPO / "experiments" / "sweeps"
@@ -40,3 +43,27 @@ def test_a_pipeline_is_as_loose_as_its_loosest_stage():
     assert {length_basis(p.config) for p in plan.points} == {"upper bound"}
     assert cost["upper_bound_tasks"] == ["glue"]  # pretrain is not named: its pairs fill seq_len
 
+
+
+@pytest.mark.parametrize("overrides", [
+    {"axes": {"model.nsp": [True, False], "glue.train.weight_decay": [0.0, 0.01]}},  # points sharing a pretraining
+    {"tune": {"field": "glue.train.weight_decay", "low": 0.0, "high": 0.3, "log": False, "trials": 4}},
+    {"tune": {"field": "pretrain.train.lr", "low": 1e-4, "high": 3e-3, "trials": 4}},
+])
+def test_a_study_in_stages_is_charged_each_shared_stage_once_as_it_trains(overrides):
+    """An earlier stage trains once per (stage config, seed), in a directory every trial with that stage shares;
+    the tuned stage differs with each sampled value, and every point's seeds run its own chosen one."""
+    plan = expand(*load_spec(SWEEPS / "nsp_glue.yaml", overrides))
+    tune = plan.spec.tune_settings if plan.spec.tune else {"trials": 0, "field": ""}
+    pretraining_tuned = tune["field"].startswith("pretrain.")  # each sampled (or chosen) value its own pretraining
+    pretraining: dict = {}
+    finetuning = 0.0
+    for p in plan.points:
+        runs = [(s, ("seed", s)) for s in plan.spec.seeds] + [(tune.get("seed"), ("tune", i))
+                                                              for i in range(tune["trials"])]
+        for seed, which in runs:
+            stage = p.config.with_seed(seed).stages["pretrain"]
+            key = (content_hash(stage), seed) + ((p.point, which) if pretraining_tuned else ())
+            pretraining[key] = training_flops(stage)
+            finetuning += training_flops(p.config.stages["glue"])
+    assert estimate(plan, rate_flops=1e12)["train_flops"] == pytest.approx(sum(pretraining.values()) + finetuning)

@@ -115,7 +115,7 @@ TRAIN = {"max_steps": 4, "batch_size": 8, "lr": 1e-3, "warmup_steps": 1, "eval_e
 
 
 def glue_cfg(**task) -> ExperimentConfig:
-    t = {"name": "glue", "dataset": "glue", "seq_len": 32, "vocab_size": 100, **task}
+    t = {"name": "glue", "dataset": "glue", "seq_len": 32, "vocab_size": 90, **task}
     return ExperimentConfig.from_dict({"name": "glue-tiny", "model": dict(MODEL), "task": t, "train": dict(TRAIN)})
 
 
@@ -171,8 +171,9 @@ def test_long_pairs_are_truncated_longest_first(data, tmp_path):
 
     dm = GlueDataModule(glue_cfg(dataset="mrpc"), data_dir=data, cache_dir=tmp_path)
     dm.prepare()
-    ids, types = encode_example(dm.tokenizer, "good " * 40, "bad " * 5, 16)
-    assert len(ids) == 16 and types.count(1) == 6  # the short side is kept whole
+    ids, types = encode_example(dm.tokenizer, "good " * 40, "bad " * 3, 16)
+    short = len(dm.tokenizer.encode("bad " * 3))
+    assert short <= 6 and len(ids) == 16 and types.count(1) == short + 1  # the short side is kept whole, with its [SEP]
     ids, _ = encode_example(dm.tokenizer, "good " * 40, None, 16)
     assert len(ids) == 16 and ids[-1] == SEP
 
@@ -392,6 +393,20 @@ def test_module_starts_from_the_pretrained_encoder(pretrained):
         assert torch.equal(v, state[k]), k
     scratch = GlueModule(resolve_model(glue_cfg(dataset="sst2", init_from=str(pretrained), pretrained_weights=False)))
     assert not torch.equal(scratch.model.token_embedding.weight, state["token_embedding.weight"])
+
+
+def test_every_trained_parameter_gets_a_gradient_in_each_step_as_ddp_requires(pretrained):
+    """The MLM head stays in the fine-tuned encoder (the pretrained weights' shape) but no loss reaches it: frozen,
+    or DDP stops on the second step; its decoder weight is the token embedding's, which trains."""
+    from study.tasks.glue.data import collate
+
+    module = GlueModule(resolve_model(glue_cfg(dataset="sst2", init_from=str(pretrained))))
+    batch = collate([([CLS, 7, 8, SEP], [0, 0, 0, 0]), ([CLS, 9, SEP], [0, 0, 0])], [1, 0], regression=False)
+    module.training_loss(batch)[0].backward()
+    assert [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None] == []
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith("model.mlm_head.") for n in frozen)
+    assert module.model.token_embedding.weight.requires_grad
 
 
 def test_pretrain_then_finetune_suite_with_seeds(data, pretrained, tmp_path, monkeypatch):

@@ -475,6 +475,34 @@ def test_weight_ema_is_what_is_evaluated_saved_and_resumed(main_run, corpus, mon
         assert torch.equal(again[k], saved[k]), k
 
 
+def test_a_killed_run_is_not_resumed_on_other_data(main_run, corpus, monkeypatch, tmp_path):
+    """Resuming continues a checkpoint: on another copy of the data (other file digests) the run would train on
+    two corpora while data.json named the second. Refused, naming the file, with nothing in the directory changed;
+    the same data resumes."""
+    cfg = main_run["cfg"]
+    d = corpus["root"] / "resume-other-data"
+    kill_during_step_9(corpus, cfg, "resume-other-data", monkeypatch)
+    before = {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()}
+    write_corpus(tmp_path / "other", seed=1)
+    with pytest.raises(RunDirConflict, match=r"trained on other data \(files\.input\.txt: "):
+        run_experiment(cfg, d, data_dir=tmp_path / "other", cache_dir=corpus["cache"])
+    assert {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()} == before
+    assert run(corpus, cfg, "resume-other-data")["metrics"] == main_run["metrics"]["metrics"]
+
+
+def test_data_compared_on_resume_is_what_was_read_not_where_it_came_from():
+    from study.run.conflict import data_differences
+
+    local = {"source": "local", "dataset": "multi30k", "files": {"raw/train.de.gz": "aa"}, "tokenizer": ["t1"],
+             "examples": {"train": 29000}}
+    hub = {"source": "hub", "dataset": "bentrevett/multi30k", "config": None, "revision": "r1", "tokenizer": ["t2"],
+           "examples": {"train": 29000}}
+    assert data_differences(local, hub) == []  # one benchmark, two copies: nothing to compare but what was read
+    assert data_differences(local, {**hub, "examples": {"train": 28999}}) == ["examples.train: 29000 there, 28999 here"]
+    assert data_differences(hub, {**hub, "revision": "r2"}) == ["revision: 'r1' there, 'r2' here"]
+    assert data_differences({**local, "init_from": "runs/p"}, {**local, "init_from": "/abs/runs/p"}) == []
+
+
 def test_rerunning_a_finished_run_does_nothing(main_run, corpus, monkeypatch):
     d = main_run["dir"]
     before = {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()}

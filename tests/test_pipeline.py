@@ -216,3 +216,28 @@ def test_the_shipped_nsp_study_is_a_valid_plan_whose_axis_reaches_the_pretrained
     assert glue.task.init_from == "stage:pretrain" and len(glue.task.finetune_seeds) >= 2
     assert set(glue.task.glue_tasks) >= {"sst2", "cola", "mrpc", "stsb", "rte", "wnli"} or not glue.task.glue_tasks
     assert plan.objective["metric"] == "glue_score" and plan.objective["direction"] == "maximize"
+
+
+def test_a_middle_stage_runs_where_what_it_starts_from_is_part_of_its_name():
+    """pretrain -> MNLI -> RTE: the MNLI stage's config names its start only as `stage:pretrain`, so two pipelines
+    with different pretraining would share one MNLI directory; its name includes the directory it starts from."""
+    from study.config import PipelineConfig
+    from study.run.pipeline import stage_dir
+
+    def pipeline(d_model: int, seed: int = 0) -> PipelineConfig:
+        glue = {"model": {"arch": "encoder", "objective": "mlm"},
+                "task": {"name": "glue", "dataset": "glue", "seq_len": 32}}
+        return PipelineConfig.from_dict({"name": "stilts", "stages": {
+            "pretrain": {"model": {"arch": "encoder", "objective": "mlm", "d_model": d_model, "n_layers": 1,
+                                   "n_heads": 2, "max_seq_len": 32, "type_vocab_size": 2},
+                         "task": {"name": "pretrain", "dataset": "wikitext-2", "seq_len": 32, "vocab_size": 120},
+                         "train": {"seed": seed}},
+            "mnli": {**glue, "task": {**glue["task"], "glue_tasks": ["mnli"], "init_from": "stage:pretrain"}},
+            "rte": {**glue, "task": {**glue["task"], "glue_tasks": ["rte"], "init_from": "stage:mnli"}}}})
+
+    def middle(cfg):
+        return stage_dir(cfg, "mnli", Path("run"), Path("stages"))
+
+    assert middle(pipeline(32)) == middle(pipeline(32))
+    assert len({middle(pipeline(32)), middle(pipeline(64)), middle(pipeline(32, seed=1))}) == 3
+    assert stage_dir(pipeline(32), "rte", Path("run"), Path("stages")) == Path("run/rte")

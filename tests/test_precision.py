@@ -152,6 +152,42 @@ def test_a_run_records_the_gpus_its_worker_gave_it(monkeypatch):
     assert snapshot()["cuda_visible_devices"] is None
 
 
+def test_a_cpu_run_on_a_gpu_machine_records_the_cpu_it_ran_on(monkeypatch):
+    """train.accelerator: cpu on a machine with a GPU: env.json names the CPU, its bf16 and kernels, and the peak
+    memory is the process's (the GPU's allocator, never used, would record 0 bytes: the best a minimized cost can
+    be)."""
+    import torch
+
+    from study.run.environment import peak_memory_bytes, reset_peak_memory, snapshot
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **k: True)
+    env = snapshot("32-true", "cpu")
+    assert "NVIDIA" not in env["device"] and env["tf32_matmul"] is False and "cpu" in env["attention_kernels"]
+    assert env["native_bf16"] == (env["cpu_flags"].get("avx512_bf16", False) or env["cpu_flags"].get("amx_bf16", False))
+    reset_peak_memory("cpu")
+    assert peak_memory_bytes("cpu") > 10 * 2**20  # this process's resident set (torch alone is more)
+    assert snapshot("32-true", "gpu")["device"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_each_part_of_a_run_in_one_process_records_its_own_peak_memory():
+    """A suite's parts and a pipeline's stages train one after another in one process: after the reset a smaller
+    part's peak is its own, not the largest earlier one's."""
+    import mmap
+
+    from study.run.environment import peak_memory_bytes, reset_peak_memory
+
+    big = mmap.mmap(-1, 400 * 2**20)  # its own mapping, whatever malloc settings an earlier run in this process made
+    for page in range(0, len(big), mmap.PAGESIZE):
+        big[page] = 1  # resident
+    earlier = peak_memory_bytes("cpu")
+    big.close()
+    reset_peak_memory("cpu")
+    assert peak_memory_bytes("cpu") < earlier - 300 * 2**20
+
+
 def test_a_cpu_run_names_the_compiled_kernels_its_axis_values_run(monkeypatch):
     """RMSNorm, RoPE, SwiGLU, GEGLU and GELU-tanh declare C++ CPU kernels, every model's fused loss has one, bf16
     training's attention backward one and an encoder-decoder's beam search another; a CPU run builds them before

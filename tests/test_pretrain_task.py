@@ -233,6 +233,24 @@ def test_the_loss_is_mlm_plus_the_weighted_nsp_loss(wikitext, tmp_path):
     assert torch.allclose(weighted["loss"], bert["mlm_loss"] + 3.0 * bert["nsp_loss"])
 
 
+@pytest.mark.parametrize("nsp", [True, False])
+def test_every_trained_parameter_gets_a_gradient_in_each_step_as_ddp_requires(wikitext, tmp_path, nsp):
+    """Under DDP a parameter that requires a gradient and gets none stops Lightning on the second step: without NSP
+    the pooler (it feeds only the NSP head) is frozen; with NSP every parameter trains."""
+    from study.tasks.pretrain import PretrainModule
+
+    cfg = make_cfg(nsp=nsp)
+    dm = PretrainDataModule(cfg, data_dir=wikitext, cache_dir=tmp_path)
+    dm.prepare()
+    d = cfg.to_dict()
+    d["model"].update(dm.model_overrides())
+    module = PretrainModule(ExperimentConfig.from_dict(d))
+    module.training_loss(dm._train_batch(0))[0].backward()
+    assert [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None] == []
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    assert frozen == ([] if nsp else ["model.pooler.weight", "model.pooler.bias"])
+
+
 # --- end to end ---------------------------------------------------------------------------------------------------
 
 

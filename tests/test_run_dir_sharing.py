@@ -59,7 +59,7 @@ def test_a_pipeline_trial_records_the_run_it_fine_tunes_from_the_same_way_from_a
 
     monkeypatch.setattr(study.run, "run_experiment", stage_runner)
     monkeypatch.setattr(environment, "prepare_training_process", lambda accelerator: None)
-    monkeypatch.setattr(environment, "snapshot", lambda precision=None: {})
+    monkeypatch.setattr(environment, "snapshot", lambda *args, **kwargs: {})
     cfg = PipelineConfig.from_dict({"name": "p", "stages": {"pretrain": PRETRAIN, "glue": GLUE}})
     (tmp_path / "p.yaml").write_text(cfg.to_yaml())
     (tmp_path / "work").mkdir()

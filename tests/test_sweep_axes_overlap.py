@@ -78,7 +78,7 @@ def finish(tmp_path: Path, plan, point, config_yaml: str) -> dict:
 
 
 def lr_plan(tmp_path: Path):
-    path = tmp_path / "spec.yaml"  # written by hand: PyYAML reads 2e-3 (no dot) as a string
+    path = tmp_path / "spec.yaml"  # by hand: 2e-3 (no dot) is a number in YAML 1.2, a string in PyYAML's YAML 1.1
     path.write_text(f"name: lr\nbase: {LM['base']}\naxes:\n  train.lr: [2e-3, 1e-3]\nseeds: [0]\n")
     plan = expand(*load_spec(path))
     check(plan)
@@ -98,7 +98,7 @@ def test_a_coerced_value_that_did_not_run_is_labelled_from_what_ran(tmp_path):
     baseline = plan.points[0]
     ran_other = baseline.config.replace(train=baseline.config.train.replace(lr=0.001)).with_seed(0)
     row = finish(tmp_path, plan, baseline, ran_other.to_yaml())
-    assert (row["axis.lr"], row["ran_as_planned"], row["label"]) == ("1e-3", False, "baseline (ran: lr=1e-3)")
+    assert (row["axis.lr"], row["ran_as_planned"], row["label"]) == ("0.001", False, "baseline (ran: lr=0.001)")
     ran_neither = baseline.config.replace(train=baseline.config.train.replace(lr=0.005)).with_seed(0)
     row = finish(tmp_path, plan, baseline, ran_neither.to_yaml())
     assert (row["axis.lr"], row["ran_as_planned"]) == ("?", False)

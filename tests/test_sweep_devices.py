@@ -70,3 +70,59 @@ def test_a_trial_whose_process_cannot_start_fails_with_the_reason_instead_of_kil
     table = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet")
     assert set(table.status) == {"failed"}
     assert all("could not start" in e for e in table.error)
+
+
+def test_a_trial_gets_no_distributed_settings_from_its_worker(monkeypatch, tmp_path):
+    """Two DDP trials given the worker's MASTER_PORT would collide on it (one fails, or joins the other's group), and
+    an inherited LOCAL_RANK would tell Lightning not to start the trial's ranks: a trial's environment has neither,
+    so Lightning picks a free port for each; its GPUs and threads are its own."""
+    from types import SimpleNamespace
+
+    from study.sweep import worker
+
+    for name, value in {"MASTER_PORT": "29500", "MASTER_ADDR": "10.0.0.1", "LOCAL_RANK": "0", "RANK": "0",
+                        "WORLD_SIZE": "8", "STUDY_STORAGE": "sqlite:///x.db"}.items():
+        monkeypatch.setenv(name, value)
+    attempt = SimpleNamespace(runs_point="p", claimed=SimpleNamespace(spec=SimpleNamespace(seed=0)), run_dir=tmp_path)
+    layout = SimpleNamespace(point_config=lambda point: tmp_path / f"{point}.yaml")
+    _, env = worker._command(layout, attempt, worker.WorkerOptions(threads=2, gpus="2,3"))
+    assert not set(env) & {"MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "RANK", "WORLD_SIZE", "STUDY_STORAGE"}
+    assert (env["CUDA_VISIBLE_DEVICES"], env["OMP_NUM_THREADS"]) == ("2,3", "2")
+
+
+def test_a_spawned_trial_takes_the_ranks_it_started_along_when_killed_or_ended(tmp_path):
+    """--launcher spawn: the trial runs in a session of its own; killing it kills the ranks Lightning's launcher
+    started (a plain Popen each), and ranks its end leaves behind are killed when it is waited for."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from study.sweep.worker import SpawnedTrial
+
+    def rank_of(script: str) -> tuple[SpawnedTrial, int]:
+        pid_file = tmp_path / f"{len(list(tmp_path.iterdir()))}.pid"
+        code = ("import subprocess, sys, time; "
+                "r = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+                f"open({str(pid_file)!r}, 'w').write(str(r.pid)); " + script)
+        trial = SpawnedTrial([sys.executable, "-c", code], start_new_session=True)
+        while not pid_file.is_file() or not pid_file.read_text():
+            time.sleep(0.05)
+        return trial, int(pid_file.read_text())
+
+    def gone(pid: int) -> bool:
+        for _ in range(200):
+            try:
+                os.kill(pid, 0)
+                if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                    return True
+            except (ProcessLookupError, FileNotFoundError):
+                return True
+            time.sleep(0.05)
+        return False
+
+    trial, rank = rank_of("time.sleep(600)")
+    trial.kill()
+    assert trial.wait(timeout=30) == -signal.SIGKILL and gone(rank)
+    trial, rank = rank_of("sys.exit(1)")
+    assert trial.wait(timeout=30) == 1 and gone(rank)

@@ -124,3 +124,57 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def test_preloading_asks_cuda_through_nvml_and_refuses_a_cuda_context_before_forking(tmp_path, monkeypatch):
+    """torch.utils.cpp_extension asks torch.cuda.is_available() when imported (on a CUDA build with a toolkit in
+    sight): answered by NVML while the zygote preloads, it creates no CUDA context, which no forked trial could use.
+    If one exists anyway, the zygote stops with the way out rather than fork trials that fail on the GPU."""
+    import torch
+
+    from study.sweep.zygote import preload
+
+    (tmp_path / "asks_cuda.py").write_text(
+        "import os\nSEEN = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    preload("asks_cuda:run")
+    assert sys.modules["asks_cuda"].SEEN == "1" and "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA was initialised .* --launcher spawn"):
+        preload("asks_cuda:run")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.is_file() and stat.read_text().split(") ")[1].startswith("Z"))  # a zombie has ended
+
+
+def _wait_gone(pid: int, seconds: float = 10) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline and _alive(pid):
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+@pytest.mark.parametrize("mode", ["rank-sleep", "rank-left"])
+def test_the_ddp_ranks_a_trial_started_die_with_it(zygote, mode):
+    """Lightning starts a DDP run's other ranks with a plain Popen: killing the trial (a worker stopping it) or the
+    trial ending without them (its rank zero failed) must not leave them waiting in a collective call, holding
+    their memory and GPU, until a timeout."""
+    z, tmp = zygote
+    child = z.start(_argv(tmp, mode), str(tmp / f"{mode}.log"), 1, {"STUDY_ZYGOTE_MODE": mode})
+    pid_file = tmp / mode / "rank.pid"
+    deadline = time.time() + 60
+    while not pid_file.is_file() and time.time() < deadline:
+        time.sleep(0.05)
+    rank = int(pid_file.read_text())
+    if mode == "rank-sleep":
+        assert _alive(rank)
+        child.kill()
+    child.wait(timeout=30)
+    assert _wait_gone(rank)

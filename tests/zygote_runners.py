@@ -23,6 +23,15 @@ def run(cfg, run_dir, data_dir=None, cache_dir=None):
 
         (run_dir / "command.txt").write_text("\n".join(_basic_subprocess_cmd()))
         return
+    if mode in ("rank-left", "rank-sleep"):  # as Lightning's DDP launcher starts rank 1: a plain Popen
+        import subprocess
+        import sys
+
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        (run_dir / "rank.pid").write_text(str(rank.pid))
+        if mode == "rank-left":
+            return
+        time.sleep(600)
     if mode == "sleep":
         (run_dir / "sleeping").write_text("")
         time.sleep(600)

@@ -17,6 +17,8 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
+from study.io import dump_yaml, load_yaml
+
 T = TypeVar("T", bound="Config")
 
 
@@ -174,12 +176,12 @@ class Config:
         return type(self).from_dict({**self.to_dict(), **changes})
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_yaml(self.to_dict())
 
     @classmethod
     def from_yaml(cls: type[T], text_or_path: str | Path) -> T:
         text = Path(text_or_path).read_text() if isinstance(text_or_path, Path) else text_or_path
-        return cls.from_dict(yaml.safe_load(text))
+        return cls.from_dict(load_yaml(text))
 
 
 def parse_overrides(pairs: typing.Iterable[str]) -> dict[str, Any]:
@@ -190,7 +192,7 @@ def parse_overrides(pairs: typing.Iterable[str]) -> dict[str, Any]:
             raise ValueError(f"override {pair!r} must look like key=value")
         key, value = pair.split("=", 1)
         try:
-            out[key.strip()] = yaml.safe_load(value)
+            out[key.strip()] = load_yaml(value)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ValueError(f"override {key.strip()}: {value!r} is not a YAML value ({mark})") from None

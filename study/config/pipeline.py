@@ -134,12 +134,13 @@ def load_experiment(path, overrides=()) -> ExperimentConfig | PipelineConfig:
 
     from study.config.base import parse_overrides
     from study.config.experiment import apply_overrides
+    from study.io import load_yaml
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"experiment config {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ConfigError("ExperimentConfig", [f"{path}: not valid YAML: {err}"]) from None
     if not isinstance(data, dict) or not (data.get("task") or data.get("stages")):

@@ -128,6 +128,36 @@ def _axis_field(path: str, stages: list[str] = ()) -> str | None:
     return problem
 
 
+def _tune_field(path: str, stages: list[str]) -> str | None:
+    """None if tuning mode may search `path`, else why not: a field an axis could set (`_axis_field`) that holds a
+    float, since TPE proposes floats (an integer field would be refused by the config only once a trial starts)."""
+    import typing
+
+    from study.config.base import _strip_optional
+    from study.config.model import ModelConfig
+    from study.config.task import TaskConfig
+    from study.config.train import TrainConfig
+
+    problem = _axis_field(path, stages)
+    if problem is not None:
+        return problem
+    section, _, name = route(path, list(stages))[1].partition(".")
+    kind = _strip_optional(typing.get_type_hints({"model": ModelConfig, "task": TaskConfig,
+                                                  "train": TrainConfig}[section])[name])
+    if kind is not float:
+        return (f"{path!r} holds {getattr(kind, '__name__', kind)}, and TPE proposes real numbers: tune a float "
+                "field (train.lr, train.weight_decay, model.dropout, ...); compare other values as an axis")
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_axis(name: str, raw: Any, p: Problems, stages: list[str] = ()) -> Axis | None:
     """Normalise the three spellings of an axis (see the module docstring)."""
     where = f"axes.{name}"
@@ -208,7 +238,7 @@ class SweepConfig(Config):
     grace_s: int = 60  # ...and is declared lost (its trial re-queued) after this long without a heartbeat
     workers: int = 1  # local worker processes (`--workers` overrides)
     cost_note: str = ""  # the expected cost as documented for the spec (shown in the plan)
-    # Optional tuning mode: before its seeds run, each point searches one numeric field (usually
+    # Optional tuning mode: before its seeds run, each point searches one float field (usually
     # train.lr) with TPE, so variants are compared at their own best setting, e.g.
     #   tune: {field: train.lr, low: 3.0e-4, high: 1.0e-2, log: true, trials: 8}
     # Pruning (pruner: median) stops unpromising tuning trials early; it is off by default, and
@@ -278,21 +308,31 @@ class SweepConfig(Config):
             return
         unknown = sorted(set(t) - set(TUNE_DEFAULTS) - {"field", "low", "high"})
         p.check(not unknown, "tune", f"unknown keys {unknown}; valid: field, low, high, {', '.join(TUNE_DEFAULTS)}")
-        problem = _axis_field(str(t.get("field")), self.stage_names)
+        problem = _tune_field(str(t.get("field")), self.stage_names)
         p.check(problem is None, "tune.field", problem or "")
-        low, high = t.get("low"), t.get("high")
-        if p.check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high, "tune.low",
-                   f"tune needs numeric low < high, got low={low!r}, high={high!r}"):
-            p.check(not self.tune_settings["log"] or low > 0, "tune.low", "a log-scale search needs low > 0")
         s = self.tune_settings
-        p.check(isinstance(s["trials"], int) and s["trials"] >= 2, "tune.trials", f"must be >= 2, got {s['trials']!r}")
+        # YAML reads `log: "false"` as a string, which is true: only a boolean says which scale was searched
+        p.check(isinstance(s["log"], bool), "tune.log", f"must be true or false, got {s['log']!r}")
+        low, high = t.get("low"), t.get("high")
+        if p.check(_is_number(low) and _is_number(high) and low < high, "tune.low",
+                   f"tune needs numeric low < high, got low={low!r}, high={high!r}"):
+            p.check(s["log"] is not True or low > 0, "tune.low", "a log-scale search needs low > 0")
+        trials_ok = p.check(_is_int(s["trials"]) and s["trials"] >= 2, "tune.trials",
+                            f"must be an integer >= 2, got {s['trials']!r}")
         p.choice("tune.pruner", s["pruner"], PRUNERS)  # (its objective's direction is checked with the plan)
-        p.check(isinstance(s["seed"], int) and s["seed"] >= 0 and s["seed"] not in self.seeds, "tune.seed",
+        p.check(_is_int(s["seed"]) and s["seed"] >= 0 and s["seed"] not in self.seeds, "tune.seed",
                 f"must be an integer >= 0 outside seeds={list(self.seeds)} (picking the best setting on a compared "
                 f"seed would flatter it), got {s['seed']!r}")
-        axes_fields = {f for a in self.parsed_axes() for v in a.values.values() for f in v}
-        p.check(t.get("field") not in axes_fields, "tune.field",
-                f"{t.get('field')} is also an axis; tune a field the axes do not set")
+        # TPE is seeded sampler_seed * 10007 + the tuning trial's index, and numpy takes seeds below 2**32
+        top = (2**32 - 1 - (s["trials"] - 1 if trials_ok else 0)) // 10007
+        p.check(_is_int(s["sampler_seed"]) and 0 <= s["sampler_seed"] <= top, "tune.sampler_seed",
+                f"must be an integer from 0 to {top}, got {s['sampler_seed']!r}")
+        # one field however spelled: in a study in stages `model.dropout` is `pretrain.model.dropout` (route)
+        stages = self.stage_names
+        axes = {route(f, stages): (a.name, f) for a in self.parsed_axes() for v in a.values.values() for f in v}
+        if (both := axes.get(route(str(t.get("field")), stages))) is not None:
+            p.add("tune.field", f"{t.get('field')} is the field axes.{both[0]} sets ({both[1]}): the tuned value "
+                                "would replace the axis's; tune a field the axes do not set")
 
     def _validate_stages(self, p: Problems) -> None:
         if not self.stages:

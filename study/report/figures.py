@@ -33,7 +33,7 @@ from study.report.figure_layout import (
     pin_beyond,
     readable_axes,
 )
-from study.report.stats import mean_ci, paired_differences, pareto_front, summarize
+from study.report.stats import finite, mean_ci, paired_differences, pareto_front, summarize
 
 COSTS = (  # column, axis label, better (from study.record.COSTS' declared direction)
     ("cost.train_tokens_per_s", "training throughput"),
@@ -156,9 +156,10 @@ def plot_metric_by_variant(done: pd.DataFrame, variants: list[tuple[str, str]], 
     series = []
     rng = np.random.default_rng(0)
     for x, (tick, label) in enumerate(variants):
-        if values[label].empty:
-            ax.annotate("no completed\nrun", (x, 0.5), xycoords=("data", "axes fraction"), ha="center", va="center",
-                        fontsize=8, color="0.4")
+        if values[label].empty:  # completed runs without a value are not "no run": the report names their seeds
+            ran = int((done["label"] == label).sum()) if "label" in done else 0
+            ax.annotate(f"{ran} completed,\nno value" if ran else "no completed\nrun", (x, 0.5),
+                        xycoords=("data", "axes fraction"), ha="center", va="center", fontsize=8, color="0.4")
             continue
         mean = _draw_variant(ax, x, values[label], palette.get(label, BASELINE_COLOUR), label == baseline, limits,
                              rng)
@@ -225,8 +226,29 @@ def _curve_frame(results: SweepResults, rows: pd.DataFrame, column: str, stage: 
             continue
         c = log[["step", column]].dropna()
         if len(c):
-            parts.append(c.groupby("step", as_index=False)[column].mean().assign(seed=row["seed"], label=row["label"]))
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["step", column, "seed", "label"])
+            parts.append(c.groupby("step", as_index=False)[column].mean().assign(
+                seed=row["seed"], label=row["label"], diverged=row.get("status") == "diverged"))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
+        columns=["step", column, "seed", "label", "diverged"])
+
+
+def _draw_variant_curves(ax, sub: pd.DataFrame, column: str, label: str, colour, marker: str | None) -> bool:
+    """One variant's mean over its completed seeds with their range shaded, and each diverged trial dashed on its
+    own: a diverged trial is in no mean (as in every table), but its curve shows where it went. Whether anything
+    was drawn."""
+    done, diverged = sub[~sub["diverged"].astype(bool)], sub[sub["diverged"].astype(bool)]
+    if len(done):
+        agg = done.groupby("step")[column].agg(["mean", "min", "max"]).reset_index()
+        ax.plot(agg["step"], agg["mean"], color=colour, lw=1.6, label=f"{label} (n={done['seed'].nunique()})",
+                marker=marker, ms=3)
+        ax.fill_between(agg["step"], agg["min"], agg["max"], color=colour, alpha=0.15, lw=0)
+    seeds = list(dict.fromkeys(diverged["seed"]))
+    for i, seed in enumerate(seeds):
+        one = diverged[diverged["seed"] == seed].sort_values("step")
+        name = f"{label}: diverged (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})"
+        ax.plot(one["step"], one[column], color=colour, lw=1.0, ls="--", alpha=0.8, marker=marker, ms=2,
+                label=name if i == 0 else "_nolegend_")
+    return bool(len(done) or seeds)
 
 
 def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], palette: dict, title: str,
@@ -251,14 +273,9 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
     for ax, (column, name, frame) in zip(axes, panels):
         for label in labels:
             sub = frame[frame["label"] == label]
-            if sub.empty:
-                continue
-            agg = sub.groupby("step")[column].agg(["mean", "min", "max", "count"]).reset_index()
-            colour = palette.get(label, BASELINE_COLOUR)
-            ax.plot(agg["step"], agg["mean"], color=colour, lw=1.6, label=f"{label} (n={sub['seed'].nunique()})",
-                    marker="o" if column == curves["valid"] else None, ms=3)
-            ax.fill_between(agg["step"], agg["min"], agg["max"], color=colour, alpha=0.15, lw=0)
-            series.add(label)
+            marker = "o" if column == curves["valid"] else None
+            if len(sub) and _draw_variant_curves(ax, sub, column, label, palette.get(label, BASELINE_COLOUR), marker):
+                series.add(label)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(curve_label(results, task, column))
         ax.set_title(f"{name}: {column}" + (f" (rolling mean of {smooth} logs)" if column == curves["train"]
@@ -267,7 +284,9 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
     handles, names = axes[-1].get_legend_handles_labels()  # validation: the curves every variant logs
     if handles:
         fig.legend(handles, names, fontsize=7, loc="outside right upper")  # beside the panels, never on data
-    fig.suptitle(f"{title}\nmean over seeds; band: min to max over seeds", fontsize=10)
+    dashed = any(frame["diverged"].astype(bool).any() for _, _, frame in panels)
+    fig.suptitle(f"{title}\nmean over completed seeds; band: min to max over them"
+                 + ("\ndashed: diverged trials (in no mean)" if dashed else ""), fontsize=10)
     fig._study_columns = (curves["train"], curves["valid"])
     return _finish(fig, [lbl for lbl in labels if lbl in series])
 
@@ -278,6 +297,7 @@ def _cost_points(done: pd.DataFrame, labels: list[str], metric_col: str, cost: s
     `ci_lo`, `ci_hi`) and the cost's (`x`, `x_lo`, `x_hi`); empty when no variant has both."""
     if metric_col not in done or cost not in done:
         return pd.DataFrame()
+    done = done[finite(done, metric_col)]  # the cost over the same seeds as the metric
     s = summarize(done, metric_col, order=labels, extra=[cost])
     xs = summarize(done, cost, order=labels)
     s = s.assign(x=s[cost], x_lo=xs["ci_lo"], x_hi=xs["ci_hi"])
@@ -399,7 +419,10 @@ def _layer_key(col: str) -> tuple:
 def plot_grad_norms(results: SweepResults, rows: pd.DataFrame, variants: list[tuple[str, str]], palette: dict,
                     title: str) -> Figure:
     """Gradient norm of each layer's parameters per variant: at the first logged step (initialisation,
-    as in Xiong et al. 2020, Fig. 3) and averaged over the rest of training; mean over seeds."""
+    as in Xiong et al. 2020, Fig. 3) and averaged over the rest of training; mean over the completed seeds (a diverged
+    trial is in no mean, as the report's banner says of every mean)."""
+    if "status" in rows:
+        rows = rows[rows["status"] == "completed"]
     series = []
     layer_names: list[str] = []
     per_variant = {}
@@ -445,35 +468,90 @@ def plot_grad_norms(results: SweepResults, rows: pd.DataFrame, variants: list[tu
     handles, names = axes[0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, names, fontsize=7, loc="outside right upper")
-    fig.suptitle(f"{title}\nper-layer gradient norms, mean over seeds", fontsize=10)
+    fig.suptitle(f"{title}\nper-layer gradient norms, mean over completed seeds", fontsize=10)
     return _finish(fig, series)
 
 
 # -- 6. heatmap for two-axis grids --------------------------------------------------------------------------
+NOT_APPLIED = "n/a"  # a conditional axis's value where its `when` leaves it out (the recipe's setting holds there)
+
+
+def _held_text(held: dict[str, str]) -> str:
+    return ", ".join(f"{a}={v}" for a, v in held.items()) if held else "no other axis"
+
+
 def plot_heatmap(done: pd.DataFrame, axis_a: str, axis_b: str, values_a: list[str], values_b: list[str],
-                 metric_col: str, direction: str, title: str, other_axes: list[str] = (),
+                 metric_col: str, direction: str, title: str, held: dict[str, str] | None = None,
                  label: str | None = None) -> Figure:
+    """Mean ± 95% t half-width of `metric_col` per (axis_a, axis_b) cell over the trials that hold every other axis
+    at `held` (the baseline's values): each cell is one config, so its n counts seeds, never other configs
+    pooled as if they were seeds. A cell with no such trial says so in grey (seaborn writes nothing on an empty
+    cell)."""
+    held = dict(held or {})
+    keep = pd.Series(True, index=done.index)
+    for axis, value in held.items():
+        keep &= done[f"axis.{axis}"].astype(str) == str(value) if f"axis.{axis}" in done else False
+    rows = done[keep]
     fig, (ax,) = _new(width=1.3 * len(values_b) + 3, height=0.9 * len(values_a) + 2.2)
     mean = pd.DataFrame(np.nan, index=values_a, columns=values_b)
     annot = pd.DataFrame("", index=values_a, columns=values_b)
     for a in values_a:
         for b in values_b:
-            sub = done[(done[f"axis.{axis_a}"] == a) & (done[f"axis.{axis_b}"] == b)]
+            sub = rows[(rows[f"axis.{axis_a}"] == a) & (rows[f"axis.{axis_b}"] == b)]
             ci = mean_ci(sub[metric_col]) if metric_col in sub else mean_ci([])
             if ci.n:
                 mean.loc[a, b] = ci.mean
                 spread = f"±{ci.half_width:.2g}" if ci.has_ci else "no CI"
                 annot.loc[a, b] = f"{ci.mean:.4g}\n{spread}\nn={ci.n}"
-            else:
-                annot.loc[a, b] = "no run"
     cmap = "rocket_r" if direction == "maximize" else "rocket"
+    ax.set_facecolor("0.93")  # an empty cell is left transparent by seaborn: grey, never a colour of the scale
     sns.heatmap(mean.astype(float), annot=annot, fmt="", cmap=cmap, ax=ax, linewidths=0.5, linecolor="white",
                 cbar_kws={"label": label or metric_label(metric_col)}, annot_kws={"fontsize": 7})
+    for i, a in enumerate(values_a):
+        for j, b in enumerate(values_b):
+            if pd.isna(mean.loc[a, b]):
+                ax.text(j + 0.5, i + 0.5, _empty_cell_text(rows, axis_a, axis_b, a, b), ha="center", va="center",
+                        fontsize=7, color="0.35")
     ax.set_xlabel(axis_b)
     ax.set_ylabel(axis_a)
-    note = f"; averaged over {', '.join(other_axes)}" if other_axes else ""
-    ax.set_title(f"{title}\nmean ± 95% t half-width over seeds{note}", fontsize=10)
+    ax.set_title(f"{title}\nmean ± 95% t half-width over seeds; held: {_held_text(held)}", fontsize=10)
     return _finish(fig, [f"{a}|{b}" for a in values_a for b in values_b if pd.notna(mean.loc[a, b])])
+
+
+def _empty_cell_text(rows: pd.DataFrame, axis_a: str, axis_b: str, a: str, b: str) -> str:
+    """Why a heatmap cell is empty: no trial ran there, or trials ran with one of its axes not applying and their
+    config leaving that axis's fields unset (an unset field is not read as the baseline's value: holding_baseline)."""
+    col_a, col_b = rows[f"axis.{axis_a}"], rows[f"axis.{axis_b}"]
+    na_a, na_b = (c.isna() | (c.astype(str) == NOT_APPLIED) for c in (col_a, col_b))
+    if ((col_a == a) & na_b).any():
+        return f"ran: {axis_b}\nnot applied"
+    if (na_a & (col_b == b)).any():
+        return f"ran: {axis_a}\nnot applied"
+    return "no run"
+
+
+def _config_field(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def holding_baseline(results: SweepResults, rows: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
+    """`rows` with each of `axes` read as the baseline's value where the axis does not apply to a trial (n/a) but
+    its config sets every field the axis sets as the baseline's does (literally: an unset field is not taken for a
+    default), so that such a trial holds the axis as the baseline does and no other trial seems to."""
+    rows = rows.copy()
+    base_value, base_cfg = results.baseline_values(), results.experiment_config(results.baseline_label)
+    fields = results.plan.get("axis_fields") or {}
+    for axis in axes:
+        col, want = f"axis.{axis}", base_value.get(axis)
+        if col not in rows or want is None or not fields.get(axis):
+            continue
+        for label in rows.loc[rows[col].isna() | (rows[col].astype(str) == NOT_APPLIED), "label"].unique():
+            cfg = results.experiment_config(str(label))
+            if cfg and all(_config_field(cfg, f) == _config_field(base_cfg, f) for f in fields[axis]):
+                rows.loc[rows["label"] == label, col] = want
+    return rows
 
 
 # -- orchestration --------------------------------------------------------------------------------------------
@@ -603,17 +681,28 @@ class _TaskFigures:
             self.skip(name, title, "grad_norms", self.task, "norm_position", NO_CURVES)
 
     def heatmap(self) -> None:
-        """Two-axis grids only."""
+        """Grids: per pair of axes, the cells that hold every other axis at the baseline's value (named in the
+        title). One with fewer than two cells run at that setting compares nothing and is not drawn."""
         r = self.results
         if r.design != "grid":
             return
         grid_axes = [a for a, v in r.axes.items() if len(v) >= 2 and f"axis.{a}" in self.done]
+        base = r.baseline_values()
         for a, b in combinations(grid_axes, 2):
-            others = [x for x in grid_axes if x not in (a, b)]
-            fig = plot_heatmap(self.done, a, b, r.axes[a], r.axes[b], self.mcol, self.direction,
-                               f"{self.head}: {self.name}", others, label=self.ylabel)
-            self.emit(fig, f"{self.prefix}{self.name}-heatmap-{a}-{b}", f"{self.name} over {a} × {b}",
-                      "heatmap", self.task, f"{a}×{b}")
+            held = {x: base[x] for x in grid_axes if x not in (a, b) and x in base}
+            rows = holding_baseline(r, self.done, list(held))
+            fig = plot_heatmap(rows, a, b, r.axes[a], r.axes[b], self.mcol, self.direction,
+                               f"{self.head}: {self.name}", held, label=self.ylabel)
+            name, title = f"{self.prefix}{self.name}-heatmap-{a}-{b}", f"{self.name} over {a} × {b}"
+            if len(fig._study_series) >= 2:
+                self.emit(fig, name, title + f" at {_held_text(held)}", "heatmap", self.task, f"{a}×{b}")
+            else:
+                self.skip(name, title, "heatmap", self.task, f"{a}×{b}",
+                          f"at {_held_text(held)} (the baseline's) {len(fig._study_series)} of its "
+                          f"{len(r.axes[a]) * len(r.axes[b])} cells ran: nothing to compare (cells at other "
+                          "settings are never pooled as seeds; a trial an axis does not apply to holds it only where "
+                          "its config sets that axis's fields as the baseline's does: an unset field is not read as "
+                          "its default)")
 
 
 NO_CURVES = ("no logged curves: neither the trials' run directories nor the results folder's curves.parquet hold "

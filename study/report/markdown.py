@@ -17,14 +17,14 @@ import pandas as pd
 from study.record import COSTS
 from study.report.collect import Declaration, SweepResults, at_2x_column, metric_column, metric_name
 from study.report.figures import FigureInfo
-from study.report.stats import paired_differences, small_n_note, summarize, t_critical
+from study.report.stats import ALPHA, finite, holm_adjust, paired_differences, small_n_note, summarize, t_critical
 
 COST_COLUMNS = (  # column, header, formatter
     ("cost.parameters", "params", "int"),
     ("cost.train_flops_per_token", "train FLOPs/token", "sci"),
     ("cost.kv_cache_bytes_per_token", "KV bytes/token", "int"),
     ("cost.train_tokens_per_s", "train tokens/s", "int"),
-    ("cost.peak_memory_bytes", "peak memory (MB)", "mb"),
+    ("cost.peak_memory_bytes", "peak memory (MiB)", "mib"),
     ("cost.wall_seconds", "wall time per trial (min)", "min"),
 )
 
@@ -42,7 +42,7 @@ def fmt(x: Any, kind: str = "num") -> str:
         return f"{round(x):,}"
     if kind == "sci":
         return f"{x:.3g}"
-    if kind == "mb":
+    if kind == "mib":  # bytes in binary mebibytes (2**20), headed MiB: not the decimal MB (10**6) of a byte count
         return f"{x / 2**20:,.0f}"
     if kind == "min":
         return f"{x / 60:,.1f}"
@@ -175,6 +175,11 @@ def status_sentence(results: SweepResults) -> str:
 
 def _interval_text(row) -> tuple[str, str]:
     if row["n"] == 0:
+        # completed runs that wrote no value are not "no run": a metric may not apply to a variant (NSP accuracy
+        # without NSP); where the primary metric is missing, the problems section names the seeds
+        done = int(row.get("n_rows", 0) or 0)
+        if done:
+            return f"not written by its {done} completed run{'s' if done > 1 else ''}", "–"
         return "no completed run", "–"
     if row["n"] == 1:
         return f"{fmt(row['mean'])} (n=1, no CI)", "–"
@@ -214,12 +219,18 @@ def build_doc(results: SweepResults, figures: list[FigureInfo], out: Path, gener
     elif results.status_counts["completed"] < len(results.table):
         doc.note(f"**Not every trial completed.** {status_sentence(results)}. The failed and diverged trials are "
                  "listed under *Trials that did not complete* and are left out of every mean.")
+    unvalued = completed_without_value(results)
+    if len(unvalued):
+        doc.note(f"**{len(unvalued)} completed trial(s) wrote no value of the primary metric** "
+                 f"({', '.join(sorted(set(unvalued['metric'])))}): they are named under *Trials that did not "
+                 "complete* and are left out of every mean and paired difference, their other columns included.")
     _sweep_section(doc, results)
     counts = results.status_counts
     doc.h(2, "Trials")
     doc.table(["status", "trials"], [[s, str(n)] for s, n in counts.items()], align="lr")
+    family = paired_family(results)
     for task in results.tasks:
-        _task_section(doc, results, task, figures, out)
+        _task_section(doc, results, task, figures, out, family)
     _problems_section(doc, results)
     doc.h(2, "Figures")
     drawn = [f for f in figures if f.paths]
@@ -253,12 +264,11 @@ def _sweep_section(doc: Doc, results: SweepResults) -> None:
                   [[a, ", ".join(v), ", ".join(f"`{f}`" for f in fields.get(a, [])) or "–"]
                    for a, v in results.axes.items()], align="lll")
         doc.p("Each trial's axis values are read from its resolved config.yaml (what ran), not from the spec.")
-    if "ran_as_planned" in results.table:
-        off = results.table[results.table["ran_as_planned"].map(lambda v: str(v).strip().lower() == "false")]
-        if len(off):
-            doc.note(f"**{len(off)} trial(s) did not run as planned**: their resolved config differs from the spec "
-                     "on an axis; they are listed under the label of what ran: "
-                     + ", ".join(sorted(set(off["label"].astype(str)))) + ".")
+    off = off_plan(results)
+    if len(off):
+        doc.note(f"**{len(off)} trial(s) did not run as planned**: their resolved config differs from the spec "
+                 "on an axis; they are listed under the label of what ran: "
+                 + ", ".join(sorted(set(off["label"].astype(str)))) + ".")
     if results.spec_text:
         doc.p("The spec as written (`spec.yaml`):")
         doc.code(results.spec_text, "yaml")
@@ -266,6 +276,14 @@ def _sweep_section(doc: Doc, results: SweepResults) -> None:
     if env:
         doc.h(3, "Environment")
         doc.ul(env)
+
+
+def off_plan(results: SweepResults) -> pd.DataFrame:
+    """The trials whose resolved config differs from the plan on an axis (listed under the label of what ran)."""
+    t = results.table
+    if "ran_as_planned" not in t:
+        return t.iloc[0:0]
+    return t[t["ran_as_planned"].map(lambda v: str(v).strip().lower() == "false").astype(bool)]
 
 
 def _wall_time(doc: Doc, results: SweepResults) -> None:
@@ -278,7 +296,8 @@ def _wall_time(doc: Doc, results: SweepResults) -> None:
           f"`study sweep` command(s) ({', '.join(shapes)}; measured, `invocations.json`).")
 
 
-def _task_section(doc: Doc, results: SweepResults, task: str, figures: list[FigureInfo], out: Path) -> None:
+def _task_section(doc: Doc, results: SweepResults, task: str, figures: list[FigureInfo], out: Path,
+                  family: list[PairedTest]) -> None:
     done = results.completed(task)
     metric, direction = results.objective(task)
     mcol = metric_column(metric)
@@ -286,11 +305,11 @@ def _task_section(doc: Doc, results: SweepResults, task: str, figures: list[Figu
     labels = results.labels_for(task)
     datasets = results.datasets_for(task)
     doc.h(2, f"Task `{task}`" + (f" on {datasets}" if datasets else ""))
-    n_typical = int(summarize(done, mcol, order=labels)["n"].max()) if mcol in done and len(done) else 0
+    ns = [int(n) for n in summarize(done, mcol, order=labels)["n"] if n > 0] if mcol in done and len(done) else []
     doc.p(f"Primary metric: **{metric}** ({scale_text(spec)}; declared by task `{spec.task}`"
           + (f": {spec.description}" if spec.description else "") + "). Means with a two-sided 95% confidence "
           "interval from the t distribution over seeds (mean ± half-width, then the interval); one seed gives "
-          "no interval (n=1, no CI). " + small_n_note(n_typical))
+          "no interval (n=1, no CI). " + small_n_note(min(ns, default=0), max(ns, default=0)))
     if results.stages:
         doc.p(f"A trial is one run of the study in stages ({' → '.join(results.stages)}); its seed is the "
               f"{results.stages[0]} stage's, so n counts {results.stages[0]} runs"
@@ -300,7 +319,7 @@ def _task_section(doc: Doc, results: SweepResults, task: str, figures: list[Figu
     if undeclared:
         doc.p("Columns without a declaration (direction not declared, so never ranked or compared): "
               + ", ".join(f"`{metric_name(c)}`" for c in undeclared) + ".")
-    _paired_section(doc, results, task, metric, mcol, direction, labels)
+    _paired_section(doc, results, task, metric, direction, family)
     if task == "glue":
         _glue_tasks_section(doc, results, task, labels)
     _earlier_stages_section(doc, results, task, labels)
@@ -324,20 +343,40 @@ def _cost_columns(done: pd.DataFrame, results: SweepResults | None = None,
         d = results.declaration(col, task)
         if d is not None and d.cost:
             in_bytes = d.scale == "bytes"
-            out.append((col, f"{metric_name(col)} ({'MB' if in_bytes else d.scale}; measured)",
-                        "mb" if in_bytes else "num"))
+            out.append((col, f"{metric_name(col)} ({'MiB' if in_bytes else d.scale}; measured)",
+                        "mib" if in_bytes else "num"))
     return out
+
+
+def planned_trials(results: SweepResults) -> dict[str, int]:
+    """label -> trials the plan lists for it (its point x the plan's seeds). A trial that ran off-plan is listed under
+    the label of what ran, which the plan lists no time, so it never swells a planned count nor shrinks the
+    baseline's. A plan without points (one written by hand): the table's trials that ran as planned."""
+    points = [str(p["label"]) for p in results.plan.get("points") or [] if "label" in p]
+    if points:
+        return {label: points.count(label) * len(results.seeds) for label in points}
+    t = results.table
+    ran = t.get("ran_as_planned", pd.Series(True, index=t.index)).map(lambda v: str(v).strip().lower() != "false")
+    return {str(k): int(v) for k, v in t[ran.astype(bool)].groupby("label").size().items()}
+
+
+def _n_text(r, planned: int) -> str:
+    """'2 / 3', with the completed runs that wrote no value and a label the plan does not list said so."""
+    text = f"{int(r['n'])} / {planned}"
+    unvalued = int(r["n_rows"]) - int(r["n"])
+    notes = ([f"{unvalued} completed without a value"] if unvalued else []) + (
+        ["not in the plan"] if planned == 0 and int(r["n_rows"]) else [])
+    return text + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFrame, mcol: str, spec: Declaration,
                    labels: list[str]) -> None:
-    """One row per variant: the objective's mean and interval, the other declared metrics, the costs."""
-    planned = results.table[results.table["task"] == task].groupby("label").size()
+    """One row per variant: the objective's mean and interval, the other declared metrics, the costs; every column
+    over the same seeds, those with a value of the objective."""
+    planned = planned_trials(results)
     secondary = secondary_columns(results, task, done, mcol)
     costs = _cost_columns(done, results, task)
-    summary = summarize(done, mcol, order=labels, extra=[*(c for c, _ in secondary), *(c for c, _, _ in costs)]) \
-        if mcol in done else pd.DataFrame({"label": labels, "n": 0, "mean": math.nan, "ci_half": math.nan,
-                                           "ci_lo": math.nan, "ci_hi": math.nan})
+    summary = summarize(done, mcol, order=labels, extra=[*(c for c, _ in secondary), *(c for c, _, _ in costs)])
     headers = ["variant", "n / planned", f"{metric_name(mcol)} ({scale_text(spec)}; 95% CI)", "interval",
                *[f"{metric_name(c)} ({scale_text(d)})" for c, d in secondary], *[h for _, h, _ in costs]]
     rows = []
@@ -345,22 +384,74 @@ def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFram
         mean_text, interval = _interval_text(r)
         is_base = r["label"] == results.baseline_label and r["label"] != "baseline"
         rows.append([r["label"] + (" (baseline)" if is_base else ""),
-                     f"{int(r['n'])} / {int(planned.get(r['label'], 0))}", mean_text, interval,
+                     _n_text(r, planned.get(r["label"], 0)), mean_text, interval,
                      *[fmt(r.get(c)) for c, _ in secondary], *[fmt(r.get(c), k) for c, _, k in costs]])
     doc.table(headers, rows)
     constructed = [h for c, h, _ in costs if c.startswith("cost.") and COSTS[c.removeprefix("cost.")][2]]
     measured = [h for c, h, _ in costs if h not in constructed]
-    doc.p("Secondary metrics and costs are means over the completed seeds. `n / planned`: seeds that completed out "
-          "of those planned." + (f" {', '.join(constructed)} follow from the config by arithmetic (by construction, "
-                                 "not measurements)" if constructed else "")
+    doc.p(f"`n / planned`: seeds with a value of {metric_name(mcol)} out of the trials the plan lists (its points x "
+          "seeds; a trial that ran off-plan is counted under the label of what ran, which the plan does not list). "
+          "Secondary metrics and costs are means over the same seeds as the primary metric."
+          + (f" {', '.join(constructed)} follow from the config by arithmetic (by construction, not measurements)"
+             if constructed else "")
           + (f"; {', '.join(measured)} are measured on this machine." if measured else "."))
 
 
-def _paired_section(doc: Doc, results: SweepResults, task: str, metric: str, mcol: str, direction: str,
-                    labels: list[str]) -> None:
+@dataclass
+class PairedTest:
+    """One table of the report's paired differences: every variant against the baseline on one metric of a task,
+    with each test's p-value adjusted (Holm) over the report's whole family of such tests."""
+
+    task: str
+    column: str
+    name: str
+    direction: str
+    table: pd.DataFrame  # paired_differences' columns, then p_holm and verdict_holm
+
+
+def holm_paired_verdict(verdict: str, p_holm: float) -> str:
+    """A better/worse whose Holm-adjusted p-value is not below 0.05 is withdrawn (inconclusive); others stand."""
+    if verdict not in ("better", "worse") or (math.isfinite(p_holm) and p_holm < ALPHA):
+        return verdict
+    return "inconclusive"
+
+
+def paired_family(results: SweepResults) -> list[PairedTest]:
+    """The paired tests of the report's main sections (each task's objective and, for language models, the
+    perplexity at twice the training length; every variant against the baseline), Holm-adjusted together: the
+    family is every test with a p-value (two or more pairs) in the report, so 'better' after Holm keeps the chance
+    of any false verdict among them at 5%, however many variants and metrics there are."""
+    tests = []
+    for task in results.tasks:
+        done = results.completed(task)
+        metric, direction = results.objective(task)
+        mcol, labels = metric_column(metric), results.labels_for(task)
+        targets = [(mcol, metric, direction)]
+        extra = at_2x_column(done)
+        if extra and extra != mcol and done[extra].notna().any():
+            targets.append((extra, metric_name(extra), results.declared(extra, task).direction))
+        tests += [PairedTest(task, col, name, dirn, paired_differences(done, col, results.baseline_label, labels,
+                                                                         dirn)) for col, name, dirn in targets]
+    adjusted = iter(holm_adjust([p for t in tests for p in t.table["p_value"]]))
+    for t in tests:
+        t.table["p_holm"] = [next(adjusted) for _ in range(len(t.table))]
+        t.table["verdict_holm"] = [holm_paired_verdict(v, p) for v, p in zip(t.table["verdict"], t.table["p_holm"])]
+    return tests
+
+
+def family_size(family: list[PairedTest]) -> int:
+    return int(sum(t.table["p_value"].notna().sum() for t in family))
+
+
+def _p_text(p: float) -> str:
+    return "–" if not math.isfinite(p) else "<0.0001" if p < 1e-4 else f"{p:.4f}"
+
+
+def _paired_section(doc: Doc, results: SweepResults, task: str, metric: str, direction: str,
+                    family: list[PairedTest]) -> None:
     """Paired differences against the baseline for the objective and, for language models, the perplexity at
-    twice the training length."""
-    base = results.baseline_label
+    twice the training length: each test's 95% verdict and its verdict after Holm's correction over the family."""
+    base, m = results.baseline_label, family_size(family)
     doc.h(3, f"Paired differences against the baseline ({base})")
     t3 = t_critical(3)
     doc.p(f"For each variant, {metric}(variant) − {metric}(baseline) on the same seed, averaged over the seeds both "
@@ -368,23 +459,24 @@ def _paired_section(doc: Doc, results: SweepResults, task: str, metric: str, mco
           f"(t for n − 1 degrees of freedom; e.g. {t3:.2f} for n = 3). "
           f"*better* / *worse* ({'lower' if direction == 'minimize' else 'higher'} is better, as declared) only "
           "when the interval excludes zero; *inconclusive* when it contains zero; n = 1 gives no interval.")
-    done = results.completed(task)
-    extra = at_2x_column(done)
-    targets = [(mcol, metric, direction)]
-    if extra and extra != mcol and done[extra].notna().any():
-        targets.append((extra, metric_name(extra), results.declared(extra, task).direction))
-    for col, name, dirn in targets:
-        if col != mcol:
-            split = "validation" if name.startswith("valid") else "test"
-            doc.p(f"Length extrapolation, **{name}** ({split} perplexity at twice the training length; "
-                  f"{'lower' if dirn == 'minimize' else 'higher'} is better):")
-        pd_ = paired_differences(done, col, base, labels, dirn)
+    doc.p(f"**Multiplicity: this report makes {m} paired test{'s' if m != 1 else ''}** (every variant against the "
+          "baseline, on each metric of the paired tables of every task; those with two or more pairs), each at 95%, "
+          "so some *better* / *worse* may be chance. The *after Holm* column applies Holm's step-down correction "
+          "(Holm 1979) over all of them, which keeps the chance of any false *better* / *worse* among them at most "
+          "5%: a verdict whose adjusted p-value is not below 0.05 becomes *inconclusive*.")
+    for t in [t for t in family if t.task == task]:
+        if t.name != metric:
+            split = "validation" if t.name.startswith("valid") else "test"
+            doc.p(f"Length extrapolation, **{t.name}** ({split} perplexity at twice the training length; "
+                  f"{'lower' if t.direction == 'minimize' else 'higher'} is better):")
         rows = []
-        for _, r in pd_.iterrows():
+        for _, r in t.table.iterrows():
             ci = "–" if r["n_pairs"] < 2 else f"[{fmt(r['ci_lo'], 'signed')}, {fmt(r['ci_hi'], 'signed')}]"
             rows.append([r["label"], str(r["n_pairs"]) + (f" (seeds {r['seeds']})" if r["seeds"] else ""),
-                         fmt(r["diff"], "signed"), ci, f"**{r['verdict']}**"])
-        doc.table(["variant", "pairs", f"Δ {name}", "95% CI", "verdict"], rows, align="lrrrl")
+                         fmt(r["diff"], "signed"), ci, _p_text(r["p_value"]), f"**{r['verdict']}**",
+                         _p_text(r["p_holm"]), f"**{r['verdict_holm']}**"])
+        doc.table(["variant", "pairs", f"Δ {t.name}", "95% CI", "p (paired t)", "verdict (95%)",
+                   "Holm-adjusted p", f"after Holm (family of {m})"], rows, align="lrrrrlrl")
 
 
 def _glue_tasks_section(doc: Doc, results: SweepResults, task: str, labels: list[str]) -> None:
@@ -448,12 +540,36 @@ def _earlier_stages_section(doc: Doc, results: SweepResults, task: str, labels: 
         doc.table(["metric", "scale", "variant", "n", "mean (95% CI)", "interval"], rows, align="lllrrr")
 
 
+def completed_without_value(results: SweepResults) -> pd.DataFrame:
+    """Completed trials that wrote no finite value of their task's primary metric (task, metric, label, seed): they
+    completed, so they are not failures the status lists, yet they enter no mean; the report names them."""
+    rows = []
+    for task in results.tasks:
+        done = results.completed(task)
+        mcol = metric_column(results.objective(task)[0])
+        for _, r in done[~finite(done, mcol)].iterrows():
+            rows.append({"task": task, "metric": metric_name(mcol), "label": str(r["label"]), "seed": r["seed"]})
+    return pd.DataFrame(rows, columns=["task", "metric", "label", "seed"])
+
+
 def _problems_section(doc: Doc, results: SweepResults) -> None:
     doc.h(2, "Trials that did not complete")
-    bad = results.problems()
+    bad, unvalued = results.problems(), completed_without_value(results)
     if bad.empty:
-        doc.p("Every planned trial completed.")
-        return
+        off = len(off_plan(results))
+        text = "Every planned trial completed" + (f" ({off} of them not as planned: see *Sweep*)" if off else "")
+        doc.p(text + ("." if unvalued.empty else ", but not every completed trial wrote its primary metric (below)."))
+    else:
+        _problem_table(doc, bad)
+    if len(unvalued):
+        doc.p("Completed without a value of the primary metric: they are in no mean and no paired difference "
+              "(nor are their other columns averaged), and the `n` of their variant does not count them.")
+        rows = [[label, ", ".join(str(s) for s in sorted(g["seed"].dropna().astype(int))), task, metric]
+                for (task, metric, label), g in unvalued.groupby(["task", "metric", "label"], sort=False)]
+        doc.table(["variant", "seeds completed without a value", "task", "metric"], rows, align="llll")
+
+
+def _problem_table(doc: Doc, bad: pd.DataFrame) -> None:
     doc.p("Failed, diverged, still running and never-run trials, one row each. None of them enters a mean or a "
           "paired difference.")
     rows = []
@@ -477,23 +593,26 @@ class ReportOutput:
 
 
 def write_summary_tables(results: SweepResults, out: Path) -> list[Path]:
-    """summary.csv (per task and variant) and paired.csv (differences against the baseline)."""
+    """summary.csv (per task and variant, every column over the seeds with a value of the objective) and paired.csv
+    (differences against the baseline on the objective, with the report's Holm-adjusted p-values and verdicts)."""
     summaries, paireds = [], []
+    family = paired_family(results)
+    planned = planned_trials(results)
     for task in results.tasks:
         done = results.completed(task)
         metric, direction = results.objective(task)
         mcol = metric_column(metric)
-        labels = [lbl for lbl in results.variant_order
-                  if lbl in set(results.table.loc[results.table["task"] == task, "label"])]
+        labels = results.labels_for(task)
         if mcol not in done:
             continue
         extra = [c for c, _ in secondary_columns(results, task, done, mcol)]
         extra += [c for c, _, _ in _cost_columns(done, results, task)]
         scale = results.declared(metric, task).scale
-        summaries.append(summarize(done, mcol, order=labels, extra=extra)
-                         .assign(task=task, metric=metric, scale=scale, direction=direction))
-        paireds.append(paired_differences(done, mcol, results.baseline_label, labels, direction)
-                       .assign(task=task, metric=metric, scale=scale, direction=direction))
+        summary = summarize(done, mcol, order=labels, extra=extra).rename(columns={"n_rows": "n_completed"})
+        summary.insert(2, "n_planned", [planned.get(label, 0) for label in summary["label"]])
+        summaries.append(summary.assign(task=task, metric=metric, scale=scale, direction=direction))
+        paireds += [t.table.assign(holm_family=family_size(family), task=task, metric=metric, scale=scale,
+                                   direction=direction) for t in family if t.task == task and t.column == mcol]
     paths = []
     for name, frames in (("summary.csv", summaries), ("paired.csv", paireds)):
         if frames:

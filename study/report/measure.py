@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from study.io import read_json_or_none
+from study.io import load_yaml, read_json_or_none
 from study.record import COMPLETED, flatten_record
 from study.report.collect import SweepResults, metric_column
 from study.report.stats import mean_ci
@@ -37,7 +37,8 @@ GLUE_TASKS = {"mnli": "mnli_m", "mnli_m": "mnli_m", "mnli-m": "mnli_m", "mnli_ma
 GLUE_METRICS = {"accuracy": "accuracy", "acc": "accuracy", "f1": "f1", "mcc": "mcc", "matthews": "mcc",
                 "matthews_correlation": "mcc", "matthews_corr": "mcc", "spearman": "spearman", "spearmanr": "spearman",
                 "pearson": "pearson", "score": "score"}
-GLUE_COLUMN = re.compile(r"^metric\.(?:glue\.)?(?P<task>[a-z0-9_\-]+?)/(?P<metric>[a-z_]+)$")
+# metric names may hold digits (MRPC and QQP report `f1`)
+GLUE_COLUMN = re.compile(r"^metric\.(?:glue\.)?(?P<task>[a-z0-9_\-]+?)/(?P<metric>[a-z0-9_]+)$")
 # study.tasks.glue flattens MNLI's two dev sets as `MNLI/accuracy_m` and `MNLI/accuracy_mm`
 SPLIT_SUFFIX = {"_m": "mnli_m", "_mm": "mnli_mm"}
 SPLITS = (("validation", "valid"), ("test", "test"))
@@ -204,8 +205,6 @@ def _pretrained(nsp: Any) -> str:
 def legacy_pretrain_nsp(init_from: str, near: Path | None = None) -> bool | None:
     """model.nsp of the pretraining run a legacy GLUE record names in task.init_from: from that run directory's
     config.yaml, or from the recorded run beside the record named after it (bench/results/run-<name>.json)."""
-    import yaml
-
     ref = Path(init_from)
     candidates = [ref / "config.yaml"]
     if near is not None:  # bench/results/run-x.json: the repository is two levels up, the named run beside it
@@ -213,7 +212,7 @@ def legacy_pretrain_nsp(init_from: str, near: Path | None = None) -> bool | None
     for path in candidates:
         if not path.is_file():
             continue
-        data = read_json_or_none(path) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+        data = read_json_or_none(path) if path.suffix == ".json" else load_yaml(path.read_text())
         cfg = (data or {}).get("config", data) or {}
         nsp = (cfg.get("model") or {}).get("nsp")
         if nsp is not None:
@@ -332,7 +331,7 @@ def _schema1_glue_row(row: dict[str, Any]) -> dict[str, Any]:
     """A schema-1 GLUE record's flat per-task metrics (and sds) on 0-100, by that schema's rule."""
     out = dict(row)
     for col, v in row.items():
-        m = re.match(r"^metric\.[^./]+/(?P<name>[a-z_]+)$", col)
+        m = re.match(r"^metric\.[^./]+/(?P<name>[a-z0-9_]+)$", col)  # `f1` and `f1_std` too
         if m and isinstance(v, float) and not m["name"].startswith(SCHEMA1_GLUE_ON_0_100):
             out[col] = 100.0 * v
     return out
@@ -364,9 +363,7 @@ def load_run(path: str | Path) -> Run | None:
             return None
         config = {}
         if (path / "config.yaml").is_file():
-            import yaml
-
-            config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+            config = load_yaml((path / "config.yaml").read_text()) or {}
         label = config.get("name") or path.name
         if config.get("stages"):
             config = list(config["stages"].values())[-1] or {}

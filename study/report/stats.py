@@ -63,19 +63,29 @@ def mean_ci(values, confidence: float = CONFIDENCE) -> Interval:
     return Interval(n, mean, sd, mean - half, mean + half, confidence)
 
 
+def finite(table: pd.DataFrame, col: str) -> pd.Series:
+    """Which rows hold a finite number in `col` (all False when the table lacks the column)."""
+    if col not in table:
+        return pd.Series(False, index=table.index)
+    return pd.Series(np.isfinite(pd.to_numeric(table[col], errors="coerce").astype(float)), index=table.index)
+
+
 def summarize(table: pd.DataFrame, metric_col: str, by: str = "label", order: list[str] | None = None,
               extra: list[str] = ()) -> pd.DataFrame:
-    """One row per variant: n, mean, sd, CI bounds of `metric_col`, and the mean of `extra` columns.
-    Only the rows given are used (pass completed trials)."""
+    """One row per variant: n (rows with a finite `metric_col`), n_rows (every row given: pass completed trials,
+    so n_rows - n completed without a value), mean, sd, CI bounds of `metric_col`, and the mean of each `extra`
+    column over the same n rows, so that every number of a row describes one set of seeds."""
     rows = []
     groups = dict(tuple(table.groupby(by, sort=False))) if len(table) else {}
     for key in (order if order is not None else list(groups)):
         sub = groups.get(key, table.iloc[0:0])
-        ci = mean_ci(sub[metric_col]) if metric_col in sub else mean_ci([])
-        row = {by: key, "n": ci.n, "mean": ci.mean, "sd": ci.sd, "ci_lo": ci.lo, "ci_hi": ci.hi,
-               "ci_half": ci.half_width}
+        valued = sub[finite(sub, metric_col)]
+        ci = mean_ci(valued[metric_col]) if metric_col in sub else mean_ci([])
+        row = {by: key, "n": ci.n, "n_rows": len(sub), "mean": ci.mean, "sd": ci.sd, "ci_lo": ci.lo,
+               "ci_hi": ci.hi, "ci_half": ci.half_width}
         for col in extra:
-            row[col] = float(pd.to_numeric(sub[col], errors="coerce").mean()) if col in sub and len(sub) else math.nan
+            row[col] = float(pd.to_numeric(valued[col], errors="coerce").mean()) \
+                if col in valued and len(valued) else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -201,8 +211,11 @@ def pareto_front(x, y, x_better: str = "lower", y_better: str = "lower") -> np.n
     return front
 
 
-def small_n_note(n: int, confidence: float = CONFIDENCE) -> str:
-    """A sentence on what n seeds can support."""
+def small_n_note(n: int, n_max: int | None = None, confidence: float = CONFIDENCE) -> str:
+    """A sentence on what n seeds can support; with `n_max` above `n`, for variants with n to n_max seeds (the
+    range, never the largest alone: most variants may have fewer)."""
+    if n_max is not None and n_max > n:
+        return _seed_range_note(n, n_max, confidence)
     if n <= 0:
         return "No completed seeds: nothing can be concluded."
     if n == 1:
@@ -211,5 +224,16 @@ def small_n_note(n: int, confidence: float = CONFIDENCE) -> str:
     text = (f"{n} seeds per variant: the {confidence:.0%} interval is mean ± {t:.2f} × sd/√{n} "
             f"(t with {n - 1} degrees of freedom)")
     if n < 5:
+        text += "; with this few seeds intervals are wide and only large effects can be told apart from noise"
+    return text + "."
+
+
+def _seed_range_note(lo: int, hi: int, confidence: float) -> str:
+    ts = ", ".join(f"{t_critical(k, confidence):.2f} for n = {k}" for k in range(max(lo, 2), hi + 1)[:4])
+    text = (f"From {lo} to {hi} seeds per variant (each row's n): the {confidence:.0%} interval is "
+            f"mean ± t × sd/√n with t for n − 1 degrees of freedom" + (f" ({ts})" if ts else ""))
+    if lo <= 1:
+        text += "; a variant with one seed has no interval and no significant difference"
+    if lo < 5:
         text += "; with this few seeds intervals are wide and only large effects can be told apart from noise"
     return text + "."

@@ -49,6 +49,47 @@ def finished_run(run: RunDir, cfg: Config, force: bool, data_decided: tuple[str,
     return record
 
 
+# A fingerprint's keys that say where the data came from (study.tasks.data.sources): a local copy and the hub's
+# name and digest one benchmark differently (another file format), so across sources only what was read is compared.
+_SOURCE_KEYS = {"source", "dataset", "config", "files", "revision", "tokenizer", "unavailable_splits"}
+_SPELLING_KEYS = {"init_from"}  # a path, however spelled: the pretrained weights' digest (model_sha256) decides
+
+
+def data_differences(stored: Any, read: Any, where: str = "") -> list[str]:
+    """Where the data a run directory trained on (its data.json) and the data read now are known to differ: two
+    copies from the same source (local files' digests, hub revisions, the tokenizer trained on them), or, across
+    sources, what was read from them (example and token counts, the pretrained weights' digest)."""
+    if isinstance(stored, dict) and isinstance(read, dict):
+        skip = set(_SPELLING_KEYS)
+        if "source" in stored and "source" in read and stored["source"] != read["source"]:
+            skip |= _SOURCE_KEYS
+        return [d for key in sorted(set(stored) | set(read), key=str) if key not in skip
+                for d in data_differences(stored.get(key), read.get(key), f"{where}.{key}" if where else str(key))]
+    return [] if stored == read else [f"{where or 'data'}: {_short(stored)} there, {_short(read)} here"]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def refuse_other_data(run: RunDir, read: dict[str, Any]) -> None:
+    """Raise RunDirConflict when `run` was trained on other data than `read` (see data_differences): resuming its
+    checkpoint would continue a model on data its data.json no longer names."""
+    import json
+
+    from study.io import read_json_or_none
+
+    stored = read_json_or_none(run.data)
+    if stored is None:
+        return
+    diffs = data_differences(stored, json.loads(json.dumps(read, default=str)))  # as data.json would hold it
+    if diffs:
+        more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+        raise RunDirConflict(f"{run.path} holds a run trained on other data ({'; '.join(diffs[:3])}{more}); "
+                             "choose another directory or --force")
+
+
 def _pretrained_run(init_from: str) -> tuple[str, ...]:
     """What identifies the run a `task.init_from` names. A content-hashed stage directory (`<hash>/seed-<k>`,
     study.run.pipeline.stage_dir): its hash and seed, which say what was trained wherever the results folder is

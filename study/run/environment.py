@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -57,9 +59,9 @@ def cpu_flags() -> dict[str, bool]:
     return {flag: flag in flags for flag in CPU_FLAGS}
 
 
-def attention_kernels() -> dict[str, Any]:
+def attention_kernels(accelerator: str = "auto") -> dict[str, Any]:
     """Which SDPA kernels this process may use (GPU: flash / memory-efficient / math)."""
-    if torch.cuda.is_available():
+    if not trains_on_cpu(accelerator) and torch.cuda.is_available():
         return {
             "flash": torch.backends.cuda.flash_sdp_enabled(),
             "memory_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
@@ -126,14 +128,17 @@ def prepare_training_process(accelerator: str) -> None:
     reuse_freed_memory(accelerator)
 
 
-def snapshot(precision: str | None = None) -> dict[str, Any]:
+def snapshot(precision: str | None = None, accelerator: str = "auto") -> dict[str, Any]:
+    """env.json: what a run with `train.precision` and `train.accelerator` ran on (a CPU run on a GPU machine
+    records the CPU, its bf16 and its kernels)."""
+    on_gpu = not trains_on_cpu(accelerator) and torch.cuda.is_available()
     versions = {}
     for name in PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()
+    device = torch.cuda.get_device_name(0) if on_gpu else platform.processor() or platform.machine()
     return {
         "git": git_state(),
         "python": sys.version.split()[0],
@@ -149,8 +154,31 @@ def snapshot(precision: str | None = None) -> dict[str, Any]:
         "cpu_flags": cpu_flags(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # e.g. AVX2, AVX512
         "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
-        "native_bf16": native_bf16(),
-        "tf32_matmul": tf32_enabled(),  # float32 matmuls on TF32 tensor cores (study.model.precision.enable_tf32)
-        "attention_kernels": attention_kernels(),
+        "native_bf16": native_bf16(accelerator),
+        "tf32_matmul": on_gpu and tf32_enabled(),  # float32 matmuls on TF32 tensor cores (study.model.precision.enable_tf32)
+        "attention_kernels": attention_kernels(accelerator),
         "malloc": dict(_malloc_set),  # glibc thresholds set for CPU training (reuse_freed_memory); {}: the defaults
     }
+
+
+def reset_peak_memory(accelerator: str) -> None:
+    """Start a run's peak-memory count here: a suite's parts and a pipeline's stages train one after another in one
+    process, and each records its own peak (`peak_memory_bytes`). On Linux writing 5 to /proc/self/clear_refs resets
+    the process's peak resident set (VmHWM); getrusage's ru_maxrss cannot be reset."""
+    if not trains_on_cpu(accelerator) and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_memory_bytes(accelerator: str) -> int:
+    """The most memory this run held since `reset_peak_memory`: the GPU's allocated bytes, or the process's peak
+    resident set on the CPU (VmHWM; ru_maxrss, the lifetime peak, where /proc is not there)."""
+    if not trains_on_cpu(accelerator) and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

@@ -16,6 +16,7 @@ workers that reach the same shared stage at once take turns (a file lock), the s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -43,7 +44,12 @@ def stage_dir(cfg: PipelineConfig, name: str, run_dir: Path, stage_root: Path) -
     stage = cfg.stages[name]
     if name == list(cfg.stages)[-1]:
         return run_dir / name
-    return stage_root / content_hash(stage) / f"seed-{stage.train.seed}"
+    digest = content_hash(stage)
+    ref = stage_ref(stage.task.init_from)
+    if ref is not None:  # a middle stage is also what it starts from: its config names that only as `stage:NAME`
+        upstream = stage_dir(cfg, ref, run_dir, stage_root)
+        digest = hashlib.sha256(f"{digest} from {upstream.parent.name}/{upstream.name}".encode()).hexdigest()[:12]
+    return stage_root / digest / f"seed-{stage.train.seed}"
 
 
 @contextlib.contextmanager
@@ -75,6 +81,7 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     `stage_root`: where shared stages live (a sweep passes its results/runs); default `<run_dir>/stages`."""
     from study.run import run_experiment
     from study.run.environment import prepare_training_process, snapshot
+    from study.run.single import launch_rank
 
     run = RunDir(run_dir)
     cfg = resolved_precision(cfg)
@@ -84,9 +91,11 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     # resolved: a later stage's task.init_from (its config.yaml) names the run it starts from unambiguously, however
     # the results folder was spelled (relative, another cwd, a symlink); a resumed stage finds the same value there
     stage_root = (Path(stage_root) if stage_root is not None else run.path / "stages").resolve()
-    atomic_write_text(run.config, cfg.to_yaml())
     prepare_training_process(cfg.first.train.accelerator)  # as its stages will: env.json records what they train with
-    atomic_write_json(run.env, snapshot(cfg.first.train.precision))
+    writes = launch_rank() == 0  # under DDP every rank runs the stages (each stage's ranks wait for its record)
+    if writes:
+        atomic_write_text(run.config, cfg.to_yaml())
+        atomic_write_json(run.env, snapshot(cfg.first.train.precision, cfg.first.train.accelerator))
     ran: dict[str, tuple[Path, dict[str, Any]]] = {}
     for name, stage in cfg.stages.items():
         ref = stage_ref(stage.task.init_from)
@@ -100,7 +109,8 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
         if record["status"] != COMPLETED:  # a diverged stage is the pipeline's result: nothing to start from
             break
     record = _pipeline_record(cfg, ran, time.time() - started)
-    run.write(record)
+    if writes:
+        run.write(record)
     return record
 
 

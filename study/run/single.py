@@ -11,7 +11,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,8 @@ from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text
 from study.model.accounting import cost_summary
 from study.record import COMPLETED, DIVERGED, RunDir, make_record
-from study.run.conflict import finished_run
-from study.run.environment import prepare_training_process
+from study.run.conflict import finished_run, refuse_other_data
+from study.run.environment import peak_memory_bytes, prepare_training_process, reset_peak_memory
 from study.tasks import family
 
 log = logging.getLogger(__name__)
@@ -86,12 +85,6 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
 
 
-def peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
 def default_cache_dir(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else Path(os.environ.get("STUDY_CACHE_DIR", ".cache/study"))
 
@@ -114,7 +107,7 @@ def _write_inputs(run: RunDir, cfg: ExperimentConfig, dm) -> None:
         return
     atomic_write_text(run.config, cfg.to_yaml())
     kernels = cpu_kernels(cfg.model, cfg.train.accelerator, cfg.train.precision)
-    atomic_write_json(run.env, snapshot(cfg.train.precision) | {"cpu_kernels": kernels})
+    atomic_write_json(run.env, snapshot(cfg.train.precision, cfg.train.accelerator) | {"cpu_kernels": kernels})
     atomic_write_json(run.data, dm.fingerprint)
     if hasattr(dm, "save_artifacts"):
         dm.save_artifacts(run.path)
@@ -147,7 +140,7 @@ def _trainer(run: RunDir, cfg: ExperimentConfig, loggers: list):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from study.tasks.base import ExponentialMovingAverage
+    from study.tasks.base import ExponentialMovingAverage, SyncedTimer
 
     t = cfg.train
     checkpoint = ModelCheckpoint(
@@ -161,14 +154,17 @@ def _trainer(run: RunDir, cfg: ExperimentConfig, loggers: list):
     callbacks.append(StepProgressBar(run_name(cfg)) if t.progress_bar else StepLines(run_name(cfg)))
     if t.ema_decay is not None:
         callbacks.append(ExponentialMovingAverage(t.ema_decay))
+    if t.max_time_s:  # Trainer(max_time=...)'s Timer, made the same on every rank
+        callbacks.append(SyncedTimer(duration=datetime.timedelta(seconds=t.max_time_s), interval="step"))
     return L.Trainer(
         max_steps=t.max_steps,
-        max_time=datetime.timedelta(seconds=t.max_time_s) if t.max_time_s else None,
         accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
         gradient_clip_val=t.grad_clip, accumulate_grad_batches=t.accumulate,
         val_check_interval=t.eval_every * t.accumulate, check_val_every_n_epoch=None,
         limit_val_batches=t.eval_batches if t.eval_batches is not None else 1.0,
         num_sanity_val_steps=0, logger=loggers, callbacks=callbacks, plugins=[_checkpoint_io()],
+        # every rank evaluates the same eval_batches (the batches one process would), not a padded shard of them
+        use_distributed_sampler=False,
         enable_progress_bar=t.progress_bar, enable_model_summary=False, log_every_n_steps=t.log_every,
         default_root_dir=run.path,
     )
@@ -182,7 +178,7 @@ def _record(cfg: ExperimentConfig, trainer, module, final: dict[str, Any], timin
     stopped_by_time = t.max_time_s and trainer.global_step < t.max_steps and status == COMPLETED
     bytes_per_element = 2 if "16" in t.precision else 4
     cost = {**cost_summary(cfg.model, cfg.task.seq_len, bytes_per_element, task.predicted_fraction(cfg)),
-            "train_tokens_per_s": module.throughput(), "peak_memory_bytes": peak_memory_bytes(), **timing}
+            "train_tokens_per_s": module.throughput(), "peak_memory_bytes": peak_memory_bytes(t.accelerator), **timing}
     return make_record(status, final, cost, steps=int(trainer.global_step), train_tokens=module.train_tokens,
                        diverged_at_step=module.diverged_at, stopped_by="time" if stopped_by_time else None,
                        declared=task.declared() if declared is None else declared,
@@ -213,14 +209,16 @@ def run_single(
     started = time.time()
     dm, cfg = _prepare_data(cfg, data_dir, cache_dir)
     finished_run(run, cfg, force, data_decided=())  # a directory holding another config's (unfinished) run
+    if force:  # a rerun starts from scratch: the checkpoint there may be of another config
+        run.last_checkpoint.unlink(missing_ok=True)
+    if (resume_from := readable_checkpoint(run)) is not None:
+        refuse_other_data(run, dm.fingerprint)  # before data.json is rewritten with what was read now
     prepare_training_process(cfg.train.accelerator)  # before env.json records it
     _write_inputs(run, cfg, dm)
 
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     module = family_.implementation()[1](cfg)
-    if force:  # a rerun starts from scratch: the checkpoint there may be of another config
-        run.last_checkpoint.unlink(missing_ok=True)
-    resume_from = readable_checkpoint(run)
+    reset_peak_memory(cfg.train.accelerator)  # this run's peak, not an earlier part's or stage's in this process
     trainer = _trainer(run, cfg, _loggers(run, cfg, resume_from))
     fit_started = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resume_from else None)
@@ -240,4 +238,7 @@ def run_single(
     record = _record(cfg, trainer, module, final, timing, declared)
     if trainer.is_global_zero:
         run.write(record)
-    return record
+    # under DDP the other ranks return once rank zero has written the run (a pipeline's next stage reads its
+    # model.pt), and return what it wrote: final metrics are computed on rank zero only
+    trainer.strategy.barrier("run-written")
+    return record if trainer.is_global_zero else (run.read() or record)

@@ -20,7 +20,7 @@ from study.io import atomic_write_json, atomic_write_text, read_json_or_none
 from study.model.accounting import parameter_count
 from study.record import COMPLETED, DIVERGED, RunDir, make_record
 from study.run.conflict import finished_run
-from study.run.single import run_single
+from study.run.single import launch_rank, run_single
 from study.tasks import family
 
 log = logging.getLogger(__name__)
@@ -36,9 +36,11 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
         return done
     started = time.time()
     parts = task.sub_runs(cfg, data_dir)  # data problems (a missing task) surface here, before any training
-    atomic_write_text(run.config, cfg.to_yaml())
     prepare_training_process(cfg.train.accelerator)  # as its parts will: env.json records what they train with
-    atomic_write_json(run.env, snapshot(cfg.train.precision))
+    writes = launch_rank() == 0  # under DDP every rank runs the parts (each part's ranks wait for its record)
+    if writes:
+        atomic_write_text(run.config, cfg.to_yaml())
+        atomic_write_json(run.env, snapshot(cfg.train.precision, cfg.train.accelerator))
     results: dict[str, dict[str, Any]] = {}
     for part in parts:
         if part.skip_reason is not None:
@@ -48,12 +50,14 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
         log.info("%s: %s", cfg.name, part.path)
         results[part.path] = run_single(part.config, run.sub(part.path).path, data_dir=data_dir,
                                         cache_dir=cache_dir, force=force, declared=task.declared(part=True))
-    task.save_suite_outputs(cfg, run.path, results)
-    atomic_write_json(run.data, {"parts": {p: read_json_or_none(run.sub(p).data) for p, r in results.items()
-                                           if "skipped" not in r},
-                                 "skipped": {p: r["skipped"] for p, r in results.items() if "skipped" in r}})
+    if writes:
+        task.save_suite_outputs(cfg, run.path, results)
+        atomic_write_json(run.data, {"parts": {p: read_json_or_none(run.sub(p).data) for p, r in results.items()
+                                               if "skipped" not in r},
+                                     "skipped": {p: r["skipped"] for p, r in results.items() if "skipped" in r}})
     record = _combined_record(cfg, task, results, time.time() - started)
-    run.write(record)
+    if writes:
+        run.write(record)
     return record
 
 

@@ -12,6 +12,7 @@ that looks exact.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from study.config import ExperimentConfig, PipelineConfig
@@ -126,18 +127,60 @@ def _seconds(cfg: ExperimentConfig | PipelineConfig, flops: float, rate: float) 
 
 def estimate(plan: "Plan", rate_flops: float | None = None, workers: int = 1, threads: int = 1) -> dict[str, Any]:
     """Training FLOPs of the whole plan (from the accounting module) and a rough wall-clock time:
-    each trial's FLOPs at the matmul rate one trial's threads reach, times an assumed utilisation."""
-    per_point = [training_flops(p.config) for p in plan.points]
-    runs_per_point = len(plan.spec.seeds) + (plan.spec.tune_settings["trials"] if plan.spec.tune else 0)
+    each run's FLOPs at the matmul rate one trial's threads reach, times an assumed utilisation. A pipeline's earlier
+    stages are counted once per run directory they train in, as they run (`_runs`)."""
     rate = rate_flops if rate_flops is not None else matmul_rate_flops(threads)
-    seconds = [_seconds(p.config, f, rate) for p, f in zip(plan.points, per_point)]
+    flops = seconds = 0.0
+    for run in _runs(plan):
+        f = training_flops(run)
+        flops, seconds = flops + f, seconds + _seconds(run, f, rate)
     bounded = [p for p in plan.points if length_basis(p.config) == "upper bound"]
     tasks = [t for p in bounded for t in _task_names(p.config) if t not in SEQ_LEN_IS_EXACT]
-    return {"train_flops": sum(per_point) * runs_per_point, "matmul_flops_per_s": rate,
+    return {"train_flops": flops, "matmul_flops_per_s": rate,
             "assumed_utilisation": ASSUMED_UTILISATION,
-            "estimated_wall_s": sum(seconds) * runs_per_point / max(1, workers), "workers": workers,
+            "estimated_wall_s": seconds / max(1, workers), "workers": workers,
             "length_basis": "upper bound" if bounded else "exact",
             "upper_bound_points": [p.label for p in bounded], "upper_bound_tasks": list(dict.fromkeys(tasks))}
+
+
+def _runs(plan: "Plan") -> list[ExperimentConfig]:
+    """Every run the plan trains: each trial's experiment, or each stage of its pipeline. An earlier stage trains in
+    a directory shared by every trial with that stage config and seed (`study.run.pipeline.stage_dir`), so it is
+    counted once. The stage tuning mode searches, and the stages after it, differ with every sampled (and every
+    point's chosen) value, which the plan cannot know: those count once per tuning trial and per tuned seed."""
+    spec = plan.spec
+    tune = spec.tune_settings if spec.tune else None
+    tuned_from = None
+    if tune and spec.stages:
+        from study.config.sweep import route
+
+        tuned_from = spec.stage_names.index(route(tune["field"], spec.stage_names)[0])
+    # (point, seed, which sampled or chosen tuning value it runs: None without tuning)
+    trials = [(p, s, None if not tune else (p.point, "seed", s)) for p in plan.points for s in spec.seeds]
+    trials += [(p, tune["seed"], (p.point, "tune", i)) for p in plan.points if tune for i in range(tune["trials"])]
+    runs, shared = [], set()
+    for point, seed, sampled in trials:
+        cfg = point.config.with_seed(seed)
+        if not isinstance(cfg, PipelineConfig):
+            runs.append(cfg)
+            continue
+        names = list(cfg.stages)
+        for i, (name, stage) in enumerate(cfg.stages.items()):
+            if name != names[-1]:
+                where = _stage_key(cfg, name)
+                key = (where, sampled) if sampled is not None and tuned_from is not None and i >= tuned_from else where
+                if key in shared:
+                    continue
+                shared.add(key)
+            runs.append(stage)
+    return runs
+
+
+def _stage_key(cfg: PipelineConfig, name: str) -> str:
+    """The shared directory a pipeline's earlier stage trains in (runs/<hash>/seed-<k>), as the run layer names it."""
+    from study.run.pipeline import stage_dir
+
+    return str(stage_dir(cfg, name, Path("run"), Path("stages")))
 
 
 def si(x: float) -> str:

@@ -6,7 +6,8 @@
     results/<sweep>/plan.json        every point with its complete config and content hash, the objective and the
                                      task families' metric declarations
     results/<sweep>/points/*.yaml    the config each trial process reads
-    results/<sweep>/tuned.json       (tuning mode) each point's tuning trials and the setting chosen
+    results/<sweep>/tuned.json       (tuning mode) each point's tuning trials and the setting chosen, for the tuning
+                                     settings that ran them (`tuning_id`; an earlier tuning's under `superseded`)
     results/runs/<point>/seed-<k>/   each trial's run directory (`study.record`), shared by every sweep with that point
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from study.io import atomic_write_json, read_json
-from study.record import RunDir
+from study.record import RunDir, metric_value
 from study.sweep.queue import TrialSpec
 from study.sweep.storage import StorageError, identity, redact
 
@@ -96,10 +97,11 @@ def record_storage(layout: SweepLayout, url: str) -> None:
 
 def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> list[TrialSpec]:
     """Every trial the plan asks for. In tuning mode: each point's tuning trials, and its seed
-    trials once its tuning has picked a setting (`tuned`, from tuned.json)."""
+    trials once its tuning has picked a setting (`tuned`, from tuned.json, for these tuning settings)."""
     tune = plan.get("tune") or {}
     specs: list[TrialSpec] = []
     choices = _axis_choices(plan)
+    current = current_tuned(plan, tuned or {})
     for p in plan["points"]:
         point, label = p["point"], p["label"]
         axes = tuple((name, str(value), choices[name]) for name, value in (p.get("axes") or {}).items())
@@ -107,13 +109,73 @@ def trial_specs(plan: dict[str, Any], tuned: dict[str, Any] | None = None) -> li
             specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, axes=axes)
                       for s in plan["seeds"]]
             continue
-        specs += [TrialSpec(key=f"{point}-tune{i}", point=point, seed=tune["seed"], label=label, kind="tune",
+        specs += [TrialSpec(key=tuning_key(plan, point, i), point=point, seed=tune["seed"], label=label, kind="tune",
                             axes=axes) for i in range(tune["trials"])]
-        chosen = (tuned or {}).get(point, {}).get("point")
+        chosen = current.get(point, {}).get("point")
         if chosen:
-            specs += [TrialSpec(key=f"{point}-s{s}", point=point, seed=s, label=label, runs_point=chosen, axes=axes)
-                      for s in plan["seeds"]]
+            specs += [TrialSpec(key=seed_key(plan, point, s), point=point, seed=s, label=label, runs_point=chosen,
+                                axes=axes) for s in plan["seeds"]]
     return specs
+
+
+def tuning_id(plan: dict[str, Any]) -> str:
+    """A fingerprint of what decides a tuning's outcome: every tune setting and the objective it ranks by. It is
+    part of the tuning keys, the seed keys of tuning mode, the TPE study's name and each tuned.json entry, so a spec
+    whose tune block or objective changed tunes again (its earlier tuning trials, chosen setting and seed runs
+    answer another question) and the same spec resumes exactly where it stopped."""
+    import hashlib
+    import json
+
+    tune = dict(plan.get("tune") or {})
+    for end in ("low", "high"):  # `low: 0` and `low: 0.0` are one search
+        if isinstance(tune.get(end), int) and not isinstance(tune.get(end), bool):
+            tune[end] = float(tune[end])
+    basis = {"tune": tune, "objective": {k: (plan.get("objective") or {}).get(k) for k in ("metric", "direction")}}
+    return hashlib.sha256(json.dumps(basis, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def tuning_key(plan: dict[str, Any], point: str, index: int) -> str:
+    return f"{point}-{tuning_id(plan)}-tune{index}"
+
+
+def tuning_index(key: str) -> int:
+    return int(key.rsplit("-tune", 1)[1])
+
+
+def seed_key(plan: dict[str, Any], point: str, seed: int) -> str:
+    """A seed trial's key; in tuning mode it names the tuning that chose its config: the same seed of a point tuned
+    otherwise (or not at all) is another trial."""
+    return f"{point}-{tuning_id(plan)}-s{seed}" if plan.get("tune") else f"{point}-s{seed}"
+
+
+def current_tuned(plan: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]:
+    """tuned.json's entries made by this plan's tuning settings (`tuning_id`); an entry of other settings (or of a
+    release that did not record them) says nothing about this tuning."""
+    fingerprint = tuning_id(plan)
+    return {point: entry for point, entry in tuned.items() if entry.get("tuning") == fingerprint}
+
+
+def objective_stage(metric: str, stages: list[str]) -> str | None:
+    """The stage whose run writes the objective in a study in stages (`STAGE.metric`: an earlier stage's; otherwise
+    the last stage's); None for a plain sweep."""
+    if not stages:
+        return None
+    head = metric.split(".", 1)[0]
+    return head if head in stages[:-1] else stages[-1]
+
+
+def finished_results(layout: "SweepLayout", specs: list[TrialSpec], metric: str) -> dict[str, float | None]:
+    """The seed trials of `specs` whose run directory holds a result: key -> objective (None: diverged). A completed
+    run without the objective is not one (its trial fails with that reason when it runs), so it is left out."""
+    finished = {}
+    for s in specs:
+        if s.kind != "seed":  # a tuning trial's config is sampled when it starts: nothing to find on disk
+            continue
+        record = layout.run(s.runs_point or s.point, s.seed).finished()
+        value = metric_value(record, metric) if record is not None else None
+        if record is not None and (value is not None or record["status"] != "completed"):
+            finished[s.key] = value
+    return finished
 
 
 def _axis_choices(plan: dict[str, Any]) -> dict[str, tuple[str, ...]]:
@@ -133,8 +195,8 @@ def all_keys(plan: dict[str, Any]) -> list[str]:
     tune = plan.get("tune") or {}
     keys = []
     for p in plan["points"]:
-        keys += [f"{p['point']}-tune{i}" for i in range(tune.get("trials", 0))]
-        keys += [f"{p['point']}-s{s}" for s in plan["seeds"]]
+        keys += [tuning_key(plan, p["point"], i) for i in range(tune.get("trials", 0))]
+        keys += [seed_key(plan, p["point"], s) for s in plan["seeds"]]
     return keys
 
 

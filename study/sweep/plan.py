@@ -19,6 +19,7 @@ import yaml
 from study.config import ConfigError, ExperimentConfig, PipelineConfig, content_hash
 from study.config.experiment import set_fields
 from study.config.pipeline import STAGE_REF
+from study.io import load_yaml
 from study.config.sweep import NOT_APPLICABLE, Axis, SweepConfig, route
 from study.sweep.estimate import basis_sentence
 
@@ -97,7 +98,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
     if not path.is_file():
         raise SweepSpecError(f"sweep spec {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:  # a binary file is not YAML either
         raise SweepSpecError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
@@ -129,7 +130,7 @@ def _read_base(base: Any, root: Path, where: str) -> dict[str, Any]:
     base_path = (root / base) if not Path(base).is_absolute() else Path(base)
     if not base_path.is_file():
         raise SweepSpecError(f"{where}: experiment config {base_path} does not exist")
-    return yaml.safe_load(base_path.read_text()) or {}
+    return load_yaml(base_path.read_text()) or {}
 
 
 def base_configs(spec: SweepConfig, root: Path) -> dict[str | None, dict[str, Any]]:
@@ -239,6 +240,7 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
     bases = base_configs(spec, Path(root))
     plan = Plan(spec=spec, axes=axes, points=[])
     seen: dict[str, str] = {}
+    tune_refused: dict[str, list[str]] = {}  # a tune range the config refuses: said once, naming its points
     for label, varied, labels in _combos(spec, axes):
         if any(all(labels.get(k) == str(v) for k, v in rule.items()) for rule in spec.exclude):
             plan.excluded.append(label)
@@ -258,6 +260,8 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
             continue
         if spec.tune:
             by_axis["tune"] = {spec.tune["field"]: None}
+            for problem in _tune_range_problems(spec, bases, assignments):
+                tune_refused.setdefault(problem, []).append(label)
         for problem in reach.reach_problems(spec, cfg, {f"axes.{k}" if k != "tune" else "tune.field": v
                                                         for k, v in by_axis.items()}):
             if problem not in plan.refused:
@@ -269,9 +273,44 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
         seen[digest] = label
         cfg = cfg.replace(name=f"point-{digest}")  # not the sweep: two sweeps share the run
         plan.points.append(Point(point=digest, label=label, varied=varied, axes=labels, config=cfg))
+    plan.refused += [f"{problem} (at {', '.join(names)})" for problem, names in tune_refused.items()]
     if plan.points:
         _objective(plan)
     return plan
+
+
+def _tune_range_problems(spec: SweepConfig, bases: dict[str | None, dict[str, Any]],
+                         assignments: dict[str, Any]) -> list[str]:
+    """The point's config with the tuned field at each end of its range must be valid: TPE proposes values between
+    them, and a value the config refuses would fail only once a tuning trial starts, after other training."""
+    tune, problems = spec.tune_settings, []
+    for end in ("low", "high"):
+        try:
+            build_config(spec, bases, {**assignments, tune["field"]: tune[end]})
+        except ConfigError as err:
+            problems.append(f"tune.{end}: {tune['field']}={tune[end]!r} makes the config invalid: "
+                            + "; ".join(err.problems))
+    return problems
+
+
+def _tune_stage_problem(spec: SweepConfig, metric: str) -> str | None:
+    """In a study in stages, the tuned field must be able to move the objective: it belongs to the objective's stage
+    or to one that stage starts from. A later stage's (or a sibling's) field leaves every tuning trial the same run
+    of the objective's stage (the one at tune.seed), so the choice would be a tie-break, not a tuning."""
+    from study.sweep.layout import objective_stage
+
+    stages = spec.stage_names
+    tuned = route(spec.tune["field"], stages)[0]
+    target = objective_stage(metric, stages)
+    ancestry = [target]
+    while (parent := (spec.stages[ancestry[-1]] or {}).get("init_from")) is not None:
+        ancestry.append(parent)
+    if tuned in ancestry:
+        return None
+    return (f"tune.field: {spec.tune['field']} is the {tuned} stage's, and the objective {metric} is measured in "
+            f"the {target} stage, which does not start from it: every tuning value would share one {target} run, "
+            f"so the objective could not tell them apart; tune a field of {' or '.join(reversed(ancestry))}, or "
+            f"rank by a metric of the {tuned} stage")
 
 
 def _objective(plan: Plan) -> None:
@@ -285,6 +324,9 @@ def _objective(plan: Plan) -> None:
         # the pruner compares the validation loss the trials log as they train: a loss, minimised
         plan.refused.append("tune.pruner: pruning judges the logged validation loss, so it needs an objective "
                             f"that is minimised; {plan.objective.get('metric')} is maximised")
+    if tune and plan.spec.stages and problem is None:
+        if (stage_problem := _tune_stage_problem(plan.spec, plan.objective["metric"])) is not None:
+            plan.refused.append(stage_problem)
     for p in plan.points:
         plan.tasks.update(reach.contracts(p.config))
 

@@ -22,11 +22,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from study.io import atomic_write, read_json, read_json_or_none
+from study.io import atomic_write, load_yaml, read_json, read_json_or_none
 from study.record import DIVERGED, FINISHED, PENDING, RUNNING, RunDir, flatten_record, stage_run_dirs
-from study.sweep.layout import SweepLayout, read_tuned
+from study.sweep.layout import SweepLayout, current_tuned, read_tuned, seed_key
 
 
 def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tuple[str, str]:
@@ -60,7 +58,7 @@ def _resolved_value(run: RunDir, record: dict[str, Any] | None, path: str, stage
     cfg = RunDir(directory).config if str(directory) else None
     if cfg is None or not cfg.is_file():
         return None
-    data = yaml.safe_load(cfg.read_text()) or {}
+    data = load_yaml(cfg.read_text()) or {}
     section, _, name = field.partition(".")
     return (data.get(section) or {}).get(name, _MISSING)
 
@@ -195,7 +193,7 @@ def build_table(sweep_dir: str | Path):
 
     layout = SweepLayout(Path(sweep_dir))
     plan = read_json(layout.plan_path)
-    tuned = read_tuned(layout)
+    tuned = current_tuned(plan, read_tuned(layout))  # (another tuning's choice is not what these seeds ran)
     previous = {row["trial_key"]: row for row in _read_previous(layout.sweep_dir / "results").to_dict("records")}
     rows = []
     for p in plan["points"]:
@@ -204,6 +202,8 @@ def build_table(sweep_dir: str | Path):
             if plan.get("tune"):  # tuning mode: the seeds ran the point's tuned config (once tuning picked it)
                 run_dir = layout.run_dir(chosen["point"], s) if chosen.get("point") else layout.run_dir("untuned", s)
                 row = trial_row(plan, p, s, run_dir)
+                # keyed by the tuning too: a row kept from an earlier table is kept only for these tuning settings
+                row["trial_key"] = seed_key(plan, p["point"], s)
                 row[f"tuned.{plan['tune']['field']}"] = chosen.get("value")
                 if chosen.get("error") and row["status"] == "pending":
                     row.update(status="failed", error=chosen["error"])
@@ -280,7 +280,9 @@ def write_table(sweep_dir: str | Path):
 
 
 def tuning_table(sweep_dir: str | Path):
-    """One row per tuning trial (tuning mode only): point, label, the setting tried, its objective."""
+    """One row per tuning trial of the spec's tuning settings (tuning mode only): point, label, the setting tried,
+    its objective (a completed trial's only; a pruned trial's last logged validation loss, a partial run's on the
+    validation batches, is `last_val_loss` at `last_val_step`)."""
     import pandas as pd
 
     layout = SweepLayout(Path(sweep_dir))
@@ -288,13 +290,18 @@ def tuning_table(sweep_dir: str | Path):
     if not plan.get("tune"):
         return None
     labels = {p["point"]: p["label"] for p in plan["points"]}
+    columns = ["point", "label", "field", "value", "objective", "last_val_loss", "last_val_step", "status", "chosen",
+               "run_dir"]
     rows = []
-    for point, entry in read_tuned(layout).items():
+    for point, entry in current_tuned(plan, read_tuned(layout)).items():
         for t in entry.get("trials", []):
             rows.append({"point": point, "label": labels.get(point), "field": entry["field"], "value": t["value"],
-                         "objective": t["objective"], "status": t["status"], "chosen": t["value"] == entry.get("value"),
+                         "objective": t["objective"], "last_val_loss": t.get("last_val_loss"),
+                         "last_val_step": t.get("last_val_step"), "status": t["status"],
+                         "chosen": bool(entry.get("point")) and t["status"] == "completed"
+                         and t.get("runs_point") == entry["point"],
                          "run_dir": t["run_dir"]})
-    return pd.DataFrame(rows, columns=["point", "label", "field", "value", "objective", "status", "chosen", "run_dir"])
+    return pd.DataFrame(rows, columns=columns)
 
 
 def summary(df, metric: str) -> str:

@@ -26,9 +26,8 @@ from study.sweep.estimate import default_threads, estimate
 from study.sweep.storage import DEFAULT_RETRY_S, default_url, open_storage, redact, validate_url
 from study.sweep.devices import assign, gpus_per_trial, visible_gpus
 from study.sweep.trial import DEFAULT_RUNNER
-from study.record import metric_value
-from study.sweep.layout import (SweepLayout, all_keys, check_storage, read_tuned, record_storage, recorded_storage,
-                                trial_specs)
+from study.sweep.layout import (SweepLayout, all_keys, check_storage, finished_results, read_tuned, record_storage,
+                                recorded_storage, trial_specs)
 from study.sweep.tuning import settle_tuning_locked
 from study.sweep.worker import STORAGE_ENV, WorkerOptions, die_with_parent, open_queue, run_worker
 
@@ -94,14 +93,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     queue = open_queue(plan_data, url, opts.storage_retry_s)
     specs = trial_specs(plan_data, read_tuned(layout))
     keys = all_keys(plan_data)
-    finished = {}
-    for s in specs:
-        if s.kind != "seed":  # a tuning trial's config is sampled when it starts: nothing to find on disk
-            continue
-        metrics = layout.run(s.runs_point or s.point, s.seed).finished()
-        value = metric_value(metrics, plan.metric) if metrics is not None else None
-        if metrics is not None and (value is not None or metrics["status"] != "completed"):
-            finished[s.key] = value  # (a completed run without the objective is a failure, not a result)
+    finished = finished_results(layout, specs, plan.metric)
     with queue.lock():
         added = queue.sync_locked(specs, finished, retry_failed=True, verify_files=True)
         if plan_data.get("tune"):  # tuning that ended while no worker could settle it (a kill)

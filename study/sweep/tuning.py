@@ -3,16 +3,22 @@ so variants are compared at their own best setting; the tuning trials train with
 
 Median pruning (Optuna's MedianPruner) may stop unpromising tuning trials early; it never applies to the seeds that
 are compared.
+
+What a tuning trial ended with is recorded in tuned.json (under the tuning settings that ran it, `layout.tuning_id`);
+the setting is chosen from those records, and a record a killed worker could not write is rebuilt from the queue and
+the run directory, so a kill never costs a point its seeds.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from study.io import atomic_write_json
 from study.record import RunDir, metric_value
-from study.sweep.layout import SweepLayout, read_tuned, trial_specs
+from study.sweep.layout import (SweepLayout, finished_results, objective_stage, read_tuned, trial_specs,
+                                tuning_id, tuning_index, tuning_key)
 from study.sweep.queue import Claimed, TrialQueue
 
 
@@ -21,7 +27,7 @@ class PruningMonitor:
 
     The trial process never holds the storage URL (it may carry a password), so instead of a
     pruning callback inside the trial, the worker reads the validation losses the trial logs
-    (`logs/metrics.csv`, column `val/loss`, flushed at every logged step), reports each new one
+    (`logs/metrics.csv` of `run_dir`, column `val/loss`, flushed at every logged step), reports each new one
     to the tuning trial, and stops the trial when the pruner says so."""
 
     COLUMN = "val/loss"
@@ -31,6 +37,7 @@ class PruningMonitor:
         self.path = run_dir / "logs" / "metrics.csv"
         self.reported: set[int] = set()
         self.last: float | None = None
+        self.last_step: int | None = None
 
     def should_prune(self) -> bool:
         import csv
@@ -48,47 +55,69 @@ class PruningMonitor:
                 self.last = float(value)
             except ValueError:  # a line still being written
                 continue
+            self.last_step = int(step)
             self.trial.report(self.last, int(step))
             self.reported.add(int(step))
         return bool(self.reported) and self.trial.should_prune()
 
 
+def pruned_run_dir(layout: SweepLayout, plan: dict[str, Any], runs_point: str, seed: int, run_dir: Path) -> Path:
+    """The run directory whose validation log the pruner reads: the trial's own, or in a study in stages that of the
+    stage whose run writes the objective (an earlier stage trains in its shared directory, the last stage inside the
+    trial's), found as the trial process will find it (`study.run.pipeline.stage_dir`)."""
+    stages = plan.get("stages") or []
+    if not stages:
+        return run_dir
+    from study.config import experiment_from_dict
+    from study.io import load_yaml
+    from study.run.pipeline import resolved_precision, stage_dir
+
+    cfg = resolved_precision(experiment_from_dict(load_yaml(layout.point_config(runs_point).read_text()))
+                             .with_seed(seed))
+    return stage_dir(cfg, objective_stage(plan["objective"]["metric"], stages), run_dir, layout.runs_root)
+
+
 def tune_study(queue: TrialQueue, plan: dict[str, Any], point: str, index: int = 0):
-    """The per-point Optuna study whose TPE sampler proposes that point's tuning settings. The
-    sampler is seeded per tuning trial (`index`), not per worker: workers that start together
-    would otherwise draw the same first settings."""
+    """The per-point Optuna study whose TPE sampler proposes that point's tuning settings; its name carries the
+    tuning settings (`tuning_id`), so changed settings (or a changed objective direction, which Optuna would keep
+    for a study it loads) start a new search. The sampler is seeded per tuning trial (`index`), not per worker:
+    workers that start together would otherwise draw the same first settings."""
     import optuna
 
     tune = plan["tune"]
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if tune["pruner"] == "median" else \
+        optuna.pruners.NopPruner()
     return optuna.create_study(
-        study_name=f"{plan['sweep']}~tune~{point}", storage=queue.storage, direction=queue.direction,
+        study_name=f"{plan['sweep']}~tune~{point}~{tuning_id(plan)}", storage=queue.storage,
+        direction=queue.direction, pruner=pruner, load_if_exists=True,
         sampler=optuna.samplers.TPESampler(seed=tune["sampler_seed"] * 10007 + index,
-                                           n_startup_trials=max(2, tune["trials"] // 3)),
-        pruner=optuna.pruners.MedianPruner(n_startup_trials=2) if tune["pruner"] == "median" else optuna.pruners.NopPruner(),
-        load_if_exists=True)
+                                           n_startup_trials=max(2, tune["trials"] // 3)))
 
 
 def start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed):
-    """Ask TPE for this tuning trial's setting; write the config it runs. Returns (config point, tune trial)."""
-    import yaml
+    """Ask TPE for this tuning trial's setting; write the config it runs. Returns (config point, study, tune trial)."""
+    from optuna.trial import TrialState
 
     from study.config import content_hash, experiment_from_dict
     from study.config.experiment import set_fields
     from study.config.sweep import route
-    from study.io import atomic_write_text
+    from study.io import atomic_write_text, load_yaml
 
     tune = plan["tune"]
-    index = int(claimed.spec.key.rsplit("-tune", 1)[1])
-    study = tune_study(queue, plan, claimed.spec.point, index)
+    study = tune_study(queue, plan, claimed.spec.point, tuning_index(claimed.spec.key))
     trial = study.ask()
-    value = trial.suggest_float(tune["field"], tune["low"], tune["high"], log=tune["log"])
-    data = yaml.safe_load(layout.point_config(claimed.spec.point).read_text())
-    stage, field = route(tune["field"], plan.get("stages") or [])
-    if stage is None:
-        data = set_fields(data, {field: value})
-    else:
-        data["stages"][stage] = set_fields(data["stages"][stage], {field: value})
-    cfg = experiment_from_dict(data)
+    try:
+        value = trial.suggest_float(tune["field"], tune["low"], tune["high"], log=tune["log"])
+        data = load_yaml(layout.point_config(claimed.spec.point).read_text())
+        stage, field = route(tune["field"], plan.get("stages") or [])
+        if stage is None:
+            data = set_fields(data, {field: value})
+        else:
+            data["stages"][stage] = set_fields(data["stages"][stage], {field: value})
+        cfg = experiment_from_dict(data)
+    except Exception:  # the attempt fails (the worker records why); TPE must not wait for this setting's result
+        study.tell(trial, state=TrialState.FAIL)
+        raise
     digest = content_hash(cfg)
     atomic_write_text(layout.point_config(digest), cfg.replace(name=f"point-{digest}").to_yaml())
     queue.storage.set_trial_user_attr(claimed.trial_id, "runs_point", digest)
@@ -97,60 +126,129 @@ def start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], c
 
 
 def finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,
-                         study, trial, runs_point: str, status: str, value: float | None, tell: bool = True) -> None:
-    """Tell TPE the outcome, record it in tuned.json, and settle the point if its tuning is over."""
-    import math
-
+                        study, trial, runs_point: str, status: str, value: float | None, tell: bool = True,
+                        **extra: Any) -> None:
+    """Tell TPE the outcome, record it in tuned.json, and settle the point if its tuning is over. `value` is the
+    objective of a completed trial; a pruned one has none (`extra`: the last validation loss it logged, with its
+    step), a failed one its error."""
     from optuna.trial import TrialState
 
+    ok = status == "completed" and value is not None and math.isfinite(value)
     if tell:
-        ok = status == "completed" and value is not None and math.isfinite(value)
         state = TrialState.PRUNED if status == "pruned" else TrialState.COMPLETE if ok else TrialState.FAIL
         study.tell(trial, value if ok else None, state=state)
-    tune = plan["tune"]
-    point = claimed.spec.point
+    record_tuning_trial(queue, layout, plan, claimed.spec.point, {
+        "key": claimed.spec.key, "value": trial.params.get(plan["tune"]["field"]), "status": status,
+        "objective": value if ok else None, "runs_point": runs_point,
+        "run_dir": str(layout.run_dir(runs_point, claimed.spec.seed)), **extra})
+
+
+def record_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], point: str,
+                        record: dict[str, Any]) -> None:
+    """Append one tuning trial's outcome to its point's tuned.json entry, then settle the point if its tuning is
+    over (under the sweep's lock: workers of one point write the file in turn)."""
     with queue.lock():
         tuned = read_tuned(layout)
-        entry = tuned.setdefault(point, {"field": tune["field"], "trials": []})
-        entry["trials"].append({"key": claimed.spec.key, "value": trial.params.get(tune["field"]), "status": status,
-                                "objective": value, "runs_point": runs_point,
-                                "run_dir": str(layout.run_dir(runs_point, claimed.spec.seed))})
+        entry_for(tuned, point, plan)["trials"].append(record)
         atomic_write_json(layout.tuned_path, tuned)
         settle_tuning_locked(queue, layout, plan, [point])
 
 
-def settle_tuning_locked(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], points: list[str]) -> None:
-    """For each point whose tuning trials are all over: pick the best setting (once) and queue the
-    point's seed trials with it. The caller holds `queue.lock()`, so this happens exactly once."""
-    from optuna.trial import TrialState
-
+def entry_for(tuned: dict[str, Any], point: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """The point's tuned.json entry for this plan's tuning settings, made current in `tuned`: an entry of other
+    settings is kept under `superseded` (by its `tuning`), and one kept there for these settings comes back."""
+    fingerprint, entry = tuning_id(plan), tuned.get(point)
+    if entry is not None and entry.get("tuning") == fingerprint:
+        return entry
+    earlier = dict((entry or {}).get("superseded") or {})
+    if entry is not None:
+        earlier[str(entry.get("tuning", "unrecorded"))] = {k: v for k, v in entry.items() if k != "superseded"}
     tune = plan["tune"]
+    current = earlier.pop(fingerprint, None) or {
+        "tuning": fingerprint, "field": tune["field"], "settings": dict(tune),
+        "ranked_by": {k: plan["objective"][k] for k in ("metric", "direction")}, "trials": []}
+    tuned[point] = {**current, **({"superseded": earlier} if earlier else {})}
+    return tuned[point]
+
+
+def settle_tuning_locked(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], points: list[str]) -> None:
+    """For each point whose tuning trials are all over: choose the best setting among the completed tuning trials
+    (once) and queue the point's seed trials with it. A point whose tuning runs again (a rerun retrying its failed
+    tuning trials) loses the error it settled with: it is judged again when that tuning ends. The caller holds
+    `queue.lock()`, so this happens exactly once."""
+    import json
+
     tuned = read_tuned(layout)
+    before = json.dumps(tuned, sort_keys=True)
     groups = queue.by_key()
-    changed = False
     for point in points:
-        keys = [f"{point}-tune{i}" for i in range(tune["trials"])]
-        settled = all(any(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in groups.get(k, []))
-                      and not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in groups.get(k, []))
-                      for k in keys)
-        entry = tuned.get(point)
-        if not settled or entry is None:
+        keys = [tuning_key(plan, point, i) for i in range(plan["tune"]["trials"])]
+        if not all(_over(groups.get(k, [])) for k in keys):
+            if tuned.get(point, {}).get("tuning") == tuning_id(plan):
+                tuned[point].pop("error", None)
             continue
-        if not entry.get("point") and not entry.get("error"):
-            study = tune_study(queue, plan, point)
-            finished = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
-            best = (min if queue.direction == "minimize" else max)(finished, key=lambda t: t.value) if finished else None
-            chosen = best and next((t for t in entry["trials"] if t["status"] == "completed"
-                                    and t["value"] == best.params[tune["field"]]), None)
-            if chosen:
-                entry.update(value=chosen["value"], objective=best.value, point=chosen["runs_point"])
-            else:
-                entry["error"] = "no tuning trial finished; the point's seeds cannot run"
-            changed = True
+        entry = entry_for(tuned, point, plan)
+        _recover(layout, plan, entry, keys, groups)
+        if not entry.get("point"):
+            _choose(entry, plan["objective"]["direction"])
         if entry.get("point"):
             specs = [s for s in trial_specs(plan, tuned) if s.point == point and s.kind == "seed"]
-            done = {s.key: metric_value(m, plan["objective"]["metric"]) for s in specs
-                    if (m := RunDir(layout.run_dir(entry["point"], s.seed)).finished()) is not None}
-            queue.sync_locked(specs, done)
-    if changed:
+            # the run directories are the record: a seed key whose run is not finished on disk runs (again)
+            queue.sync_locked(specs, finished_results(layout, specs, plan["objective"]["metric"]), verify_files=True)
+    if json.dumps(tuned, sort_keys=True) != before:
         atomic_write_json(layout.tuned_path, tuned)
+
+
+def _over(trials: list) -> bool:
+    from optuna.trial import TrialState
+
+    return (any(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials)
+            and not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials))
+
+
+def _recover(layout: SweepLayout, plan: dict[str, Any], entry: dict[str, Any], keys: list[str], groups) -> None:
+    """Add the tuning trials the queue saw end but tuned.json lacks (a worker killed between recording the result in
+    the queue and writing tuned.json), from the queue's attributes and the trial's run directory."""
+    from optuna.trial import TrialState
+
+    ended = {t["key"] for t in entry["trials"] if t["status"] != "failed"}
+    failed = {t["key"] for t in entry["trials"] if t["status"] == "failed"}
+    for key in keys:
+        trials = sorted(groups.get(key, []), key=lambda t: t.number)
+        done = next((t for t in trials if t.state == TrialState.COMPLETE), None)
+        if done is not None and key not in ended:
+            entry["trials"].append(_recovered(layout, plan, key, done))
+        elif done is None and key not in ended | failed and trials:
+            entry["trials"].append(_recovered(layout, plan, key, trials[-1]))
+
+
+def _recovered(layout: SweepLayout, plan: dict[str, Any], key: str, trial) -> dict[str, Any]:
+    attrs = trial.user_attrs
+    runs_point = attrs.get("runs_point")
+    run_dir = layout.run_dir(runs_point, int(attrs["seed"])) if runs_point else None
+    status = attrs.get("status", "failed")
+    record = {"key": key, "value": attrs.get("tuned_value"), "status": status, "objective": None,
+              "runs_point": runs_point, "run_dir": str(run_dir) if run_dir else None,
+              "recovered": "from the queue and the run directory: its worker stopped before recording it here"}
+    if status == "completed" and run_dir is not None:
+        finished = RunDir(run_dir).finished()
+        record["objective"] = metric_value(finished, plan["objective"]["metric"]) if finished else None
+    if status == "pruned":
+        record.update(last_val_loss=attrs.get("last_val_loss"), last_val_step=attrs.get("last_val_step"))
+    if status == "failed" and attrs.get("error"):
+        record["error"] = attrs["error"].strip().splitlines()[-1]
+    return record
+
+
+def _choose(entry: dict[str, Any], direction: str) -> None:
+    """The best completed tuning trial's setting, or the error that leaves the point's seeds unrun."""
+    done = [t for t in entry["trials"] if t["status"] == "completed" and t.get("runs_point")
+            and isinstance(t.get("objective"), (int, float)) and math.isfinite(t["objective"])]
+    if done:
+        best = (min if direction == "minimize" else max)(done, key=lambda t: t["objective"])
+        entry.update(value=best["value"], objective=best["objective"], point=best["runs_point"])
+        entry.pop("error", None)
+        return
+    errors = [t["error"] for t in entry["trials"] if t.get("error")]
+    entry["error"] = ("no tuning trial finished" + (f" (the last error: {errors[-1]})" if errors else "")
+                      + "; the point's seeds cannot run")

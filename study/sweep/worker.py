@@ -37,10 +37,26 @@ from study.sweep.layout import SweepLayout, all_keys, check_storage, read_tuned,
 from study.sweep.queue import Claimed, TrialQueue, TrialSpec
 from study.sweep.storage import DEFAULT_RETRY_S, StorageError, open_storage, retrying
 from study.sweep.trial import DEFAULT_RUNNER
-from study.sweep.zygote import Zygote, die_with_parent
+from study.sweep.zygote import Zygote, die_with_parent, kill_group
 
 log = logging.getLogger(__name__)
 STORAGE_ENV = "STUDY_STORAGE"
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                   "GROUP_RANK")
+
+
+class SpawnedTrial(subprocess.Popen):
+    """A trial started as a fresh interpreter in a session of its own, so that killing it, and its end, take the DDP
+    ranks Lightning started for it along (see study.sweep.zygote.kill_group)."""
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            kill_group(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        kill_group(self.pid, leader=False)  # ranks a failed rank zero left waiting in a collective call
+        return code
 
 
 class Launcher:
@@ -55,7 +71,8 @@ class Launcher:
     def start(self, cmd: list[str], env: dict[str, str], log: Path):
         if self.opts.launcher == "spawn":
             with open(log, "ab") as out:
-                return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+                return SpawnedTrial(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
+                                    start_new_session=True)
         argv = cmd[cmd.index("study.sweep.trial") + 1:]
         for tries_left in (1, 0):  # a zygote that died (e.g. killed for memory) is started again, once
             if self.zygote is None:
@@ -182,7 +199,10 @@ def _command(layout: SweepLayout, attempt: Attempt, opts: WorkerOptions) -> tupl
         cmd += ["--data-dir", str(opts.data_dir)]
     if opts.cache_dir:
         cmd += ["--cache-dir", str(opts.cache_dir)]
-    env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}
+    # Not the worker's distributed settings either: a MASTER_PORT shared by two DDP trials on one host makes one fail
+    # (address in use) or join the other's group, and an inherited LOCAL_RANK tells Lightning that someone else
+    # starts the ranks. Without them Lightning picks a free port for each trial and starts its ranks itself.
+    env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV and k not in DISTRIBUTED_ENV}
     env.update(OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads), PYTHONUNBUFFERED="1")
     if opts.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = opts.gpus
@@ -216,12 +236,18 @@ def _stop(child) -> None:
 def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any],
               opts: WorkerOptions, launcher: Launcher | None = None) -> str:
     """Run one claimed trial in a subprocess; returns completed, diverged, failed, pruned or lost."""
-    sweep = plan["sweep"]
-    attempt = _start(queue, layout, claimed, plan)
+    sweep, attempt = plan["sweep"], None
+    try:  # a trial that cannot start (its tuning setting's config, its run directory) fails, not the worker
+        attempt = _start(queue, layout, claimed, plan)
+        pruning = (tuning.PruningMonitor(attempt.tuning[1], tuning.pruned_run_dir(
+            layout, plan, attempt.runs_point, claimed.spec.seed, attempt.run_dir))
+            if attempt.tuning and plan["tune"]["pruner"] != "none" else None)
+    except StorageError:  # the storage gone for good: the worker stops (main), the grace period gives it back
+        raise
+    except Exception as err:  # noqa: BLE001
+        return _start_failed(queue, layout, plan, claimed, err, attempt)
     cmd, env = _command(layout, attempt, opts)
     run = RunDir(attempt.run_dir)
-    pruning = (tuning.PruningMonitor(attempt.tuning[1], attempt.run_dir)
-               if attempt.tuning and plan["tune"]["pruner"] != "none" else None)
     with open(run.trial_log, "ab") as out:
         out.write(f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n".encode())
     try:  # a launcher that cannot start the trial (e.g. the zygote's preload fails) fails this attempt, as a crash would
@@ -233,9 +259,11 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
     except TrialPruned:
         _stop(child)
         attempt.write(sweep, ended=time.time(), outcome="pruned")
-        queue.finish(claimed, "pruned", pruning.last, {"run_dir": str(attempt.run_dir)})
+        # what it logged last is a partial run's validation loss, not the objective: recorded as what it is
+        last = {"last_val_loss": pruning.last, "last_val_step": pruning.last_step}
+        queue.finish(claimed, "pruned", None, {"run_dir": str(attempt.run_dir), **last})
         tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point, "pruned",
-                                   pruning.last)
+                                   None, **last)
         return "pruned"
     except TrialLost:
         _stop(child)
@@ -250,6 +278,23 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
             attempt.tell_failed()
         raise
     return _settle(queue, layout, plan, attempt, rc)
+
+
+def _start_failed(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,
+                  err: Exception, attempt: Attempt | None) -> str:
+    """A trial that could not start is a failed attempt, retried like any other: never a result, and never the end
+    of the worker (whose other trials would wait out the grace period)."""
+    error = f"the trial could not start: {type(err).__name__}: {err}"
+    log.warning("%s: trial %d %s: %s", queue.worker, claimed.number, claimed.spec.label, error)
+    if attempt is not None:  # it got as far as its run directory: the attempt's record says how it ended
+        attempt.write(plan["sweep"], ended=time.time(), outcome="failed", error=error.splitlines()[0])
+        attempt.tell_failed()
+    requeued = queue.fail(claimed, error)
+    if claimed.spec.kind == "tune" and not requeued:  # this tuning trial failed for good: its point may be settled
+        tuning.record_tuning_trial(queue, layout, plan, claimed.spec.point, {
+            "key": claimed.spec.key, "value": None, "status": "failed", "objective": None, "runs_point": None,
+            "run_dir": None, "error": error.splitlines()[0]})
+    return "failed"
 
 
 def _note_start_failure(log: Path, err: Exception) -> int:
@@ -315,7 +360,7 @@ def _settle_mine(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], a
         attempt.tell_failed()
         if not requeued:  # this tuning trial failed for good: the point's tuning may now be settled
             tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point,
-                                       "failed", None, tell=False)
+                                       "failed", None, tell=False, error=error.splitlines()[-1] if error else "")
     return "failed"
 
 

@@ -46,9 +46,22 @@ HEAVY = ("torch", "lightning", "study.run", "study.tasks.lm", "study.tasks.trans
 
 
 def preload(runner: str) -> None:
+    """Import what the trials will use, without creating a CUDA context: a child forked after one cannot use CUDA.
+    torch.utils.cpp_extension asks torch.cuda.is_available() when it is imported on a CUDA build where a toolkit is
+    found (CUDA_HOME, nvcc on PATH, /usr/local/cuda), which initialises CUDA unless the answer comes from NVML."""
     modules = HEAVY if runner == DEFAULT_RUNNER else ("study.sweep.trial", runner.partition(":")[0])
-    for name in modules:
-        importlib.import_module(name)
+    before = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        if before is None:  # the trials' own environment, as a fresh process would have it
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised while the trial zygote imported its modules, so the trials it would "
+                           "fork could not use the GPU: run the sweep with --launcher spawn")
 
 
 def die_with_parent() -> None:
@@ -86,8 +99,12 @@ def _child(request: dict[str, Any]) -> None:
     returns (os._exit: the zygote's atexit handlers and buffers are not the child's to run)."""
     code = 1
     try:
+        # A process group of its own: killing the trial kills the ranks Lightning's DDP launcher started for it too
+        # (they are not its forked children, and nothing would kill them), and ranks it leaves behind are killed
+        # when it ends (_reap). Ctrl-C reaches the worker, which kills its trial.
+        os.setsid()
         die_with_parent()
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a trial takes Ctrl-C as a new interpreter does
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         if os.getppid() == 1:  # the zygote died before the line above took effect
             os._exit(1)
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -135,11 +152,24 @@ def _become_the_trial_command(argv: list[str]) -> None:
     sys.argv = [spec.origin, *argv]
 
 
+def kill_group(pid: int, leader: bool = True) -> None:
+    """SIGKILL the process group a trial leads (the trial and the DDP ranks it started), as far as it still exists,
+    and with `leader` the trial itself (a kill that comes before the child made its group). Once the trial has been
+    waited for, only the group: its number stays taken while a member lives, a lone pid may be reused."""
+    for kill in (os.killpg, os.kill) if leader else (os.killpg,):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _reap(children: set[int], out) -> None:
-    """Report every child that has ended."""
+    """Report every child that has ended, after killing what it left of its group (a DDP rank whose rank zero died
+    would otherwise wait in a collective call, holding its memory, until its process-group timeout)."""
     for pid in list(children):
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
+            kill_group(pid, leader=False)
             children.discard(pid)
             out.write(json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status)}) + "\n")
             out.flush()
@@ -174,7 +204,7 @@ def serve(runner: str) -> None:
             out.flush()
     finally:
         for pid in children:
-            os.kill(pid, signal.SIGKILL)
+            kill_group(pid)
 
 
 class TrialProcess:
@@ -194,10 +224,7 @@ class TrialProcess:
 
     def kill(self) -> None:
         if self.returncode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(self.pid)
 
 
 class Zygote:

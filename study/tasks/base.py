@@ -61,6 +61,36 @@ def time_aware_multiplier(cfg: TrainConfig, training_seconds: Callable[[], float
     return multiplier
 
 
+class SyncedTimer(Timer):
+    """Lightning's Timer (the `train.max_time_s` budget; a resumed run restores its elapsed time) with one clock for
+    every rank. Lightning's broadcasts rank zero's stop decision after every step, a host sync in each step under
+    DDP, while each rank reading its own clock for the learning-rate schedule (time_aware_multiplier) gives the
+    replicas different learning rates. Under DDP this one broadcasts rank zero's elapsed time at the start and at
+    logging steps only, so a run may overshoot its budget by up to log_every steps; one process checks every step."""
+
+    synced_seconds = 0.0
+
+    @property
+    def state_key(self) -> str:
+        return "Timer"  # the key Lightning's own Timer saved under: checkpoints written before this class resume
+
+    def on_train_start(self, trainer, *args: Any, **kwargs: Any) -> None:
+        super().on_train_start(trainer, *args, **kwargs)
+        if trainer.world_size > 1:
+            self._sync(trainer)
+
+    def on_train_batch_end(self, trainer, *args: Any, **kwargs: Any) -> None:
+        every = trainer.log_every_n_steps
+        if trainer.world_size == 1:
+            super().on_train_batch_end(trainer, *args, **kwargs)
+        elif self._duration is not None and every > 0 and trainer.global_step % every == 0:
+            self._sync(trainer)
+            trainer.should_stop = trainer.should_stop or self.synced_seconds >= self._duration
+
+    def _sync(self, trainer) -> None:
+        self.synced_seconds = float(trainer.strategy.broadcast(self.time_elapsed("train")))
+
+
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices (linear weights and embeddings); not biases or norm gains (as nanoGPT and GPT-3)."""
     seen: set[int] = set()
@@ -71,6 +101,19 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
         seen.add(id(p))
         (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def freeze_unused(model: nn.Module, prefixes: Sequence[str]) -> None:
+    """Stop the gradient of the parameters only `prefixes` hold (a head the task's loss never reaches). Under DDP a
+    parameter that requires a gradient must get one in every step, or Lightning stops on the second step
+    (find_unused_parameters would search the graph every step instead); the optimizer skips them either way. A
+    parameter shared with the rest of the model (the MLM decoder's weight, tied to the token embedding) keeps it."""
+    names: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), (p, []))[1].append(name)
+    for p, held_as in names.values():
+        if prefixes and all(name.startswith(tuple(prefixes)) for name in held_as):
+            p.requires_grad_(False)
 
 
 _LAYER = re.compile(r"(encoder|decoder)\.blocks\.(\d+)\.")
@@ -102,6 +145,7 @@ class StudyModule(L.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.model = build_model(cfg.model)
+        freeze_unused(self.model, self.unused_heads())
         # compiled forward kept outside the module tree, so state_dict keys never change
         object.__setattr__(self, "_compiled", torch.compile(self.model) if cfg.train.compile else None)
         self.diverged_at: int | None = None
@@ -126,6 +170,10 @@ class StudyModule(L.LightningModule):
         return self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
 
     # --- to implement ---------------------------------------------------------------
+    def unused_heads(self) -> tuple[str, ...]:
+        """Prefixes of the model's parameters this task's loss never reaches (frozen: see freeze_unused)."""
+        return ()
+
     def training_loss(self, batch: Any) -> tuple[torch.Tensor, int | torch.Tensor]:
         """(mean loss, number of target tokens) for one batch; a count that needs the batch's values stays a tensor
         (reading it here would make every step wait for the device)."""
@@ -167,10 +215,15 @@ class StudyModule(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def training_seconds(self) -> float:
-        """Wall time of training so far, from Lightning's Timer (which a resumed run restores); 0 without one."""
+        """Wall time of training so far, from Lightning's Timer (which a resumed run restores); 0 without one. Under
+        DDP rank zero's, as of the last logging step (SyncedTimer): every replica takes the same learning rate."""
         trainer = self._trainer
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None) if trainer is not None else None
-        return timer.time_elapsed("train") if timer is not None else 0.0
+        if timer is None:
+            return 0.0
+        if isinstance(timer, SyncedTimer) and trainer.world_size > 1:
+            return timer.synced_seconds
+        return timer.time_elapsed("train")
 
     def on_before_optimizer_step(self, optimizer) -> None:
         every = self.cfg.train.grad_norm_every
@@ -243,7 +296,9 @@ class StudyModule(L.LightningModule):
         self.settle()  # the ledger's steps up to this checkpoint are counted in it
         checkpoint["study"] = {
             "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            # the device this rank trains on (every rank's stream is the same: one seed, the same draws); *_all would
+            # open a context on every visible GPU, and give a rank the state of a device it never used
+            "cuda_rng": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
             "train_tokens": self.train_tokens,
             "diverged_at": self.diverged_at,
             "divergence": dataclasses.asdict(self.divergence) if self.divergence else None,
@@ -255,7 +310,7 @@ class StudyModule(L.LightningModule):
         if "torch_rng" in state:
             torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+            torch.cuda.set_rng_state(state["cuda_rng"][0])  # (a checkpoint of every device's: the first, as it ran)
         self.train_tokens = state.get("train_tokens", 0)
         self.diverged_at = state.get("diverged_at")
         self.divergence = Divergence(**state["divergence"]) if state.get("divergence") else None
@@ -349,9 +404,10 @@ class StepIndexedBatches(torch.utils.data.IterableDataset):
         super().__init__()
         self.make_batch = make_batch
         self.start = 0
+        self.rank_and_world: tuple[int, int] | None = None  # set in the training process: a loader worker has no group
 
     def __iter__(self):
-        rank, world = _rank_and_world()
+        rank, world = self.rank_and_world or _rank_and_world()
         info = torch.utils.data.get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         local = self.start + worker
@@ -383,12 +439,17 @@ class StudyDataModule(L.LightningDataModule):
         # Pinned host memory lets a CUDA copy run asynchronously (Lightning moves batches with non_blocking=True).
         on_cuda = torch.cuda.is_available() and self.cfg.train.accelerator in ("auto", "gpu", "cuda")
         workers = self.cfg.train.num_workers
+        # Workers forked, as on Linux before Python 3.14: forkserver and spawn pickle the dataset, whose batches are
+        # the DataModule's bound methods (and through it the trainer), which cannot be pickled. They build CPU
+        # batches only, so a CUDA context in the parent does not matter to them.
+        fork = "fork" if workers and "fork" in torch.multiprocessing.get_all_start_methods() else None
         return torch.utils.data.DataLoader(
             dataset, generator=torch.Generator().manual_seed(self.cfg.train.seed), num_workers=workers,
-            pin_memory=on_cuda, **kwargs,
+            pin_memory=on_cuda, multiprocessing_context=fork, **kwargs,
         )
 
     def train_dataloader(self):
         assert self.train_stream is not None, "prepare() must build self.train_stream"
         self.train_stream.start = getattr(self, "_resume_batches", 0)
+        self.train_stream.rank_and_world = _rank_and_world()
         return self._loader(self.train_stream, batch_size=None)

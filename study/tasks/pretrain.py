@@ -364,6 +364,9 @@ class PretrainDataModule(StudyDataModule):
 
 
 class PretrainModule(StudyModule):
+    def unused_heads(self) -> tuple[str, ...]:
+        return () if self.cfg.model.nsp else ("pooler.",)  # the pooler feeds only the NSP head
+
     def losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         h = self.forward_model(batch["input_ids"], token_type_ids=batch["token_type_ids"], padding_mask=batch.get("padding_mask"))
         labels = batch["labels"]

@@ -3,8 +3,8 @@
 Training batches are sentences grouped by length (shuffled batch order per epoch),
 teacher forcing with label smoothing (Szegedy et al. 2016; Vaswani et al. 2017 use
 0.1). Test sets are decoded with beam search on the KV cache, detokenized, and
-scored with sacreBLEU (BLEU and chrF on cased, detokenized text); the signature is
-stored with each score so numbers are comparable across papers (Post 2018).
+scored with sacreBLEU (BLEU and chrF on detokenized text, cased unless task.lowercase); the
+signature is stored with each score so numbers are comparable across papers (Post 2018).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ class Translation(TaskFamily):
     name = "translation"
     metrics = (
         MetricSpec("bleu", "maximize", "BLEU (0-100)", "about 0 (a constant sentence shares few n-grams)",
-                   description="sacreBLEU on the first of task.test_sets, cased and detokenized (13a)"),
+                   description="sacreBLEU on the first of task.test_sets, detokenized (13a); cased unless "
+                               "task.lowercase (the record's signature says which)"),
         MetricSpec("chrf", "maximize", "chrF (0-100)", "a few points (character n-grams of a constant sentence)",
-                   description="sacreBLEU's chrF on the first of task.test_sets"),
+                   description="sacreBLEU's chrF on the first of task.test_sets; cased unless task.lowercase"),
         MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0"),
         MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points"),
         MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False, cost=True,
@@ -175,7 +176,7 @@ class TranslationModule(StudyModule):
         return dm.tgt_tok.decode_batch(out)
 
     def final_metrics(self, dm: TranslationDataModule) -> dict[str, Any]:
-        """sacreBLEU BLEU and chrF (cased, detokenized, 13a) on each test set, with signatures."""
+        """sacreBLEU BLEU and chrF (detokenized, 13a; cased unless task.lowercase) on each test set, with signatures."""
         results: dict[str, Any] = {}
         for split in self.cfg.task.test_sets:
             refs = dm.corpus.targets(split)

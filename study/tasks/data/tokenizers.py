@@ -309,10 +309,10 @@ def build_tokenizer(
         path = Path(cache_dir) / f"{kind}-{vocab_size if vocab_size is not None else 'all'}-{key[:20]}.json"
         cached = _cached(path)
         if cached is not None:
-            _check_not_above(kind, vocab_size, cached)  # a cache written before the check holds one as well
+            _check_size_reached(kind, vocab_size, cached, min_freq)  # a cache written before the check too
             return TrainedTokenizer(cached, kind, key, path, True, tuple(specials), unk, options)
     tok = _train(kind, texts, vocab_size, specials, min_freq, lowercase, unk, newline_token)
-    _check_not_above(kind, vocab_size, tok)
+    _check_size_reached(kind, vocab_size, tok, min_freq)
     if path is not None:
         _save(tok, path, {"kind": kind, "vocab_size_requested": vocab_size,
                           "vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_tokens": specials,
@@ -320,13 +320,19 @@ def build_tokenizer(
     return TrainedTokenizer(tok, kind, key, path, False, tuple(specials), unk, options)
 
 
-def _check_not_above(kind: str, vocab_size: int | None, tok: Tokenizer) -> None:
-    """A trainer never goes below its alphabet and special tokens: a vocabulary larger than asked would train a
-    model of another size than the config names (a sweep over small sizes would train one model under many labels)."""
+def _check_size_reached(kind: str, vocab_size: int | None, tok: Tokenizer, min_freq: int) -> None:
+    """A bpe/wordpiece vocabulary of another size than asked trains a model of another size than the config names,
+    so a sweep over sizes would train one model under several labels: refused. A trainer never goes below its
+    alphabet and special tokens, and stops early when the data holds no more merges at `min_frequency`."""
     got = tok.get_vocab_size(with_added_tokens=True)
-    if kind in ("bpe", "wordpiece") and vocab_size is not None and got > vocab_size:
+    if kind not in ("bpe", "wordpiece") or vocab_size is None or got == vocab_size:
+        return
+    if got > vocab_size:
         raise DataError(f"vocab_size={vocab_size} is below the smallest {kind} vocabulary of this data ({got}: its "
                         f"alphabet and special tokens); the tokenizer would ignore it: use vocab_size >= {got}")
+    raise DataError(f"vocab_size={vocab_size} is more than this data yields: the {kind} tokenizer stops at {got} "
+                    f"(no more pairs seen {min_freq}+ times); a model of {vocab_size} would be labelled with a "
+                    f"vocabulary it does not have: use vocab_size <= {got} or more training text")
 
 
 def _cached(path: Path) -> Tokenizer | None:

@@ -29,6 +29,9 @@ class GlueModule(StudyModule):
             load_encoder_weights(self.model, Path(cfg.task.init_from) / "model.pt")
         self.test_predictions: dict[str, list[tuple[int, Any]]] = {}
 
+    def unused_heads(self) -> tuple[str, ...]:
+        return ("mlm_head.", "nsp_head.")  # kept for the pretrained weights' shape; the classifier reads the pooler
+
     def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         h = self.forward_model(batch["input_ids"], token_type_ids=batch["token_type_ids"], padding_mask=batch.get("padding_mask"))
         pooled = self.model.pooled(h, batch.get("padding_mask"), self.cfg.task.pooling)

@@ -1,0 +1,313 @@
+"""Tuning mode keeps "a study never lies": what a tuning chose comes from tuning trials of the spec's own tune
+settings that finished, and reaches the seeds it labels; a tune block the config or the sampler would refuse is
+refused before anything runs; a tuning trial that fails to start, or a worker killed as a tuning trial ends, costs
+no point its seeds.
+
+The queue, the processes and the files are real; training is scripted (`sweep_fakes.fake_run`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+import yaml
+
+from study.io import atomic_write_json, read_json
+from study.record import RunDir
+from study.sweep import SweepInterrupted, SweepOptions, SweepSpecError, expand, load_spec, run_sweep
+from study.sweep import tuning
+from study.sweep import worker
+from study.sweep.layout import SweepLayout, all_keys, trial_specs
+from study.sweep.plan import check
+from study.sweep.queue import TrialQueue
+from study.sweep.results import build_table, tuning_table
+from study.sweep.runner import prepare
+from study.sweep.storage import open_storage
+from sweep_fakes import fake_run
+from test_sweep import REPO, TESTS, completions, opts, queue_for, write_spec
+
+NSP_GLUE = REPO / "experiments" / "sweeps" / "nsp_glue.yaml"
+LR = {"field": "train.lr", "low": 1e-4, "high": 1e-2, "trials": 2}
+ONE_POINT = {"seeds": [0], "axes": {"model.norm_position": ["pre"]}}
+
+
+@pytest.fixture(autouse=True)
+def _fakes_importable(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("STUDY_FAKE_SLEEP", "0")
+
+
+def quiet(_line: str) -> None:
+    pass
+
+
+def runner_opts(tmp_path: Path, runner: str) -> SweepOptions:
+    return SweepOptions(results=tmp_path / "results", runner=f"test_sweep_tuning:{runner}", estimate_rate=1e11,
+                        poll_s=0.3)
+
+
+def tuned_entry(tmp_path: Path) -> dict:
+    (entry,) = read_json(tmp_path / "results" / "t" / "tuned.json").values()
+    return entry
+
+
+def flaky_run(cfg, run_dir, data_dir=None, cache_dir=None):
+    """Fails while the file $STUDY_TEST_FAIL_FLAG exists (data not mounted yet), then trains as fake_run does."""
+    if Path(os.environ["STUDY_TEST_FAIL_FLAG"]).exists():
+        raise RuntimeError("scripted transient failure (data not mounted)")
+    return fake_run(cfg, run_dir, data_dir, cache_dir)
+
+
+def leaves_an_objectiveless_seed_run(cfg, run_dir, data_dir=None, cache_dir=None):
+    """As the run layer: a finished run directory is handed back untrained. A tuning trial also leaves its config's
+    seed-0 directory finished without the objective (another sweep's run of that config, whose task broke its
+    declaration)."""
+    if (record := RunDir(run_dir).finished()) is not None:
+        return record
+    record = fake_run(cfg, run_dir, data_dir, cache_dir)
+    sibling = Path(run_dir).parent / "seed-0"
+    if cfg.train.seed == 1000 and not sibling.exists():
+        sibling.mkdir()
+        atomic_write_json(sibling / "metrics.json", {"status": "completed", "steps": 10, "metrics": {}})
+    return record
+
+
+# -- the tune settings are part of what a tuning is ---------------------------------------------------------------
+def _plan(**tune) -> dict:
+    return {"sweep": "t", "points": [{"point": "p", "label": "baseline"}], "seeds": [0],
+            "objective": {"metric": "valid_loss", "direction": "minimize"},
+            "tune": {"field": "train.lr", "low": 1e-4, "high": 1e-2, "log": True, "trials": 2, "seed": 1000,
+                     "pruner": "none", "sampler_seed": 0, **tune}}
+
+
+@pytest.mark.parametrize("change", [
+    {"field": "train.weight_decay"}, {"low": 1e-5}, {"high": 1e-1}, {"log": False}, {"trials": 3}, {"seed": 7},
+    {"pruner": "median"}, {"sampler_seed": 1}, {"objective": {"metric": "valid_ppl", "direction": "minimize"}},
+    {"objective": {"metric": "valid_loss", "direction": "maximize"}},
+])
+def test_every_tune_setting_and_the_objective_name_the_tuning_trials_and_the_tuned_seeds(change):
+    before = _plan()
+    after = {**before, **{k: v for k, v in change.items() if k == "objective"},
+             "tune": {**before["tune"], **{k: v for k, v in change.items() if k != "objective"}}}
+    assert all_keys(_plan()) == all_keys(before)  # the same spec: the same trials, resumed
+    assert not set(all_keys(after)) & set(all_keys(before))
+
+
+def test_a_range_end_written_as_an_integer_or_a_float_is_the_same_tuning():
+    assert all_keys(_plan(low=0, high=1, log=False)) == all_keys(_plan(low=0.0, high=1.0, log=False))
+
+
+def test_a_changed_objective_direction_gets_a_tpe_study_of_that_direction():
+    storage = optuna.storages.InMemoryStorage()
+    first = tuning.tune_study(TrialQueue(storage, "t", "minimize"), _plan(), "p")
+    plan = {**_plan(), "objective": {"metric": "valid_loss", "direction": "maximize"}}
+    second = tuning.tune_study(TrialQueue(storage, "t", "maximize"), plan, "p")
+    assert first.direction.name == "MINIMIZE" and second.direction.name == "MAXIMIZE"
+
+
+def test_a_changed_tune_block_is_tuned_again_and_the_table_labels_what_ran(tmp_path):
+    run_sweep(write_spec(tmp_path, tune=LR, **ONE_POINT), opts(tmp_path), say=quiet)
+    decay = {"field": "train.weight_decay", "low": 0.0, "high": 0.3, "log": False, "trials": 2}
+    path = write_spec(tmp_path, tune=decay, **ONE_POINT)
+    prepare(path, opts(tmp_path), say=quiet)  # the new spec, before its tuning ran: nothing of the old one is its
+    (row,) = build_table(tmp_path / "results" / "t").to_dict("records")
+    assert row["status"] == "pending" and pd.isna(row["tuned.train.weight_decay"])
+    run_sweep(path, opts(tmp_path), say=quiet)
+    entry = tuned_entry(tmp_path)
+    assert entry["field"] == "train.weight_decay" and len(entry["trials"]) == 2
+    assert [old["field"] for old in entry["superseded"].values()] == ["train.lr"]  # the earlier tuning is kept
+    (row,) = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet").to_dict("records")
+    ran = yaml.safe_load(Path(row["run_dir"], "config.yaml").read_text())["train"]
+    assert row["status"] == "completed" and ran["weight_decay"] == row["tuned.train.weight_decay"] == entry["value"]
+    assert ran.get("lr", 1e-3) == 1e-3  # the base's: the earlier tuning's lr is not what this tuning's seeds ran
+    assert set(completions(tmp_path / "results").values()) == {1}  # every run trained once
+
+
+# -- the seeds run the tuned config, and only a result on disk counts as done ---------------------------------------
+def test_adding_tune_to_a_sweep_that_ran_runs_its_seeds_with_the_tuned_setting(tmp_path):
+    run_sweep(write_spec(tmp_path, **ONE_POINT), opts(tmp_path), say=quiet)
+    final = run_sweep(write_spec(tmp_path, tune=LR, **ONE_POINT), opts(tmp_path), say=quiet)
+    entry = tuned_entry(tmp_path)
+    (row,) = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet").to_dict("records")
+    assert final["done"] == 3 and Path(row["run_dir"]) == tmp_path / "results" / "runs" / entry["point"] / "seed-0"
+    ran = yaml.safe_load(Path(row["run_dir"], "config.yaml").read_text())["train"]
+    assert ran["lr"] == row["tuned.train.lr"] == entry["value"] != 1e-3
+
+
+def test_settling_queues_a_tuned_seed_whose_run_is_not_on_disk_though_the_queue_remembers_it_done(tmp_path):
+    run_sweep(write_spec(tmp_path, tune=LR, **ONE_POINT), opts(tmp_path), say=quiet)
+    sweep = tmp_path / "results" / "t"
+    RunDir(sweep.parent / "runs" / tuned_entry(tmp_path)["point"] / "seed-0").metrics.unlink()
+    queue, _ = queue_for(sweep)
+    plan = read_json(sweep / "plan.json")
+    with queue.lock():
+        tuning.settle_tuning_locked(queue, SweepLayout(sweep), plan, [p["point"] for p in plan["points"]])
+    seed_keys = [k for k in all_keys(plan) if "-tune" not in k]
+    assert queue.counts(seed_keys)["queued"] == 1
+
+
+def test_a_tuned_seed_whose_finished_run_lacks_the_objective_is_not_recorded_as_done(tmp_path):
+    options = runner_opts(tmp_path, "leaves_an_objectiveless_seed_run")
+    final = run_sweep(write_spec(tmp_path, tune=LR, **ONE_POINT, max_retries=0), options, say=quiet)
+    assert final["failed"] == 1 and final["done"] == 2
+    (row,) = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet").to_dict("records")
+    assert row["status"] == "failed" and "no finite 'valid_loss'" in row["error"]
+
+
+# -- what tuning chose comes from tuning trials that finished -------------------------------------------------------
+def test_a_point_whose_tuning_failed_is_tuned_when_a_rerun_finishes_it(tmp_path, monkeypatch):
+    flag = tmp_path / "data-not-mounted"
+    flag.write_text("")
+    monkeypatch.setenv("STUDY_TEST_FAIL_FLAG", str(flag))
+    path = write_spec(tmp_path, tune=LR, **ONE_POINT, max_retries=0)
+    options = runner_opts(tmp_path, "flaky_run")
+    assert run_sweep(path, options, say=quiet)["failed"] == 2
+    assert "no tuning trial finished (the last error: RuntimeError: scripted" in tuned_entry(tmp_path)["error"]
+    flag.unlink()
+    final = run_sweep(path, options, say=quiet)
+    entry = tuned_entry(tmp_path)
+    assert final["done"] == 3 and "error" not in entry and entry["point"]
+    (row,) = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet").to_dict("records")
+    assert row["status"] == "completed" and row["tuned.train.lr"] == entry["value"]
+
+
+def test_a_worker_killed_as_tuning_trials_end_costs_the_point_nothing(tmp_path, monkeypatch):
+    """Each tuning trial's result reaches the queue and TPE, and the worker dies before tuned.json records it: the
+    rerun chooses from the trials the queue saw end, reading each one's run directory."""
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # what a kill between the queue's record and tuned.json's leaves, in-process
+
+    path, record = write_spec(tmp_path, tune=LR, **ONE_POINT), tuning.record_tuning_trial
+    monkeypatch.setattr(tuning, "record_tuning_trial", killed)
+    for _ in range(2):  # one tuning trial per invocation
+        with pytest.raises(SweepInterrupted):
+            run_sweep(path, opts(tmp_path), say=quiet)
+    monkeypatch.setattr(tuning, "record_tuning_trial", record)
+    final = run_sweep(path, opts(tmp_path), say=quiet)
+    entry = tuned_entry(tmp_path)
+    assert final["done"] == 3 and len(entry["trials"]) == 2 and "error" not in entry
+    best = min(entry["trials"], key=lambda t: t["objective"])
+    assert entry["point"] == best["runs_point"] and entry["value"] == best["value"]
+    assert all(t["status"] == "completed" and "recovered" in t for t in entry["trials"])
+
+
+class _LogsAWorseCurve:
+    """A tuning trial process that logs validation losses above the finished tuning trials' and keeps training."""
+
+    def __init__(self, run_dir: str):
+        self.log = Path(run_dir) / "logs" / "metrics.csv"
+
+    def wait(self, timeout=None):
+        if timeout is None:  # waited for after the kill
+            return -9
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.log.write_text("step,train/loss,val/loss\n1,,4.0\n2,,3.5\n3,3.2,\n")
+        raise subprocess.TimeoutExpired("trial", timeout)
+
+    def kill(self):
+        pass
+
+
+def test_a_pruned_tuning_trial_records_its_last_validation_loss_not_an_objective(tmp_path):
+    _, layout, url = prepare(write_spec(tmp_path, tune={**LR, "trials": 3, "pruner": "median"}, **ONE_POINT),
+                             opts(tmp_path), say=quiet)
+    plan = read_json(layout.plan_path)
+    queue = TrialQueue(open_storage(url), "t", heartbeat_s=1, grace_s=5)
+    queue.sync(trial_specs(plan))
+    study = tuning.tune_study(queue, plan, plan["points"][0]["point"])
+    for curve in ([2.0, 1.8], [2.1, 1.9]):  # two finished tuning trials: the median to beat
+        finished = study.ask()
+        for step, value in enumerate(curve, start=1):
+            finished.report(value, step)
+        study.tell(finished, curve[-1])
+
+    class Launcher:
+        def start(self, cmd, env, log):
+            return _LogsAWorseCurve(cmd[cmd.index("--run-dir") + 1])
+
+    claimed = queue.claim(set(all_keys(plan)))
+    assert worker.run_trial(queue, layout, claimed, plan, worker.WorkerOptions(), Launcher()) == "pruned"
+    (record,) = tuned_entry(tmp_path)["trials"]
+    assert record["status"] == "pruned" and record["objective"] is None  # a partial run's loss is no objective
+    assert record["last_val_loss"] == 3.5 and record["last_val_step"] == 2
+    (row,) = tuning_table(layout.sweep_dir).to_dict("records")
+    assert pd.isna(row["objective"]) and row["last_val_loss"] == 3.5 and row["last_val_step"] == 2
+
+
+# -- a tune block that cannot run is refused before anything runs --------------------------------------------------
+@pytest.mark.parametrize("tune, message", [
+    ({"field": "train.warmup_steps", "low": 10, "high": 200, "log": False},
+     "tune.field: 'train.warmup_steps' holds int"),
+    ({**LR, "log": "false"}, "tune.log: must be true or false, got 'false'"),
+    ({**LR, "sampler_seed": -1}, "tune.sampler_seed: must be an integer from 0 to"),
+    ({**LR, "sampler_seed": 2**32}, "tune.sampler_seed: must be an integer from 0 to"),
+    ({**LR, "sampler_seed": 0.5}, "tune.sampler_seed"),
+    ({**LR, "seed": True}, "tune.seed: must be an integer"),  # (YAML's true, which Python counts as the seed 1)
+    ({"field": "train.weight_decay", "low": -1.0, "high": -0.5, "log": False},
+     "tune.low: train.weight_decay=-1.0 makes the config invalid: train.weight_decay: must be >= 0"),
+    ({"field": "train.weight_decay", "low": 0.0, "high": float("inf"), "log": False}, "tune.high"),
+])
+def test_a_tune_block_the_config_or_the_sampler_would_refuse_is_refused_before_anything_runs(tmp_path, tune, message):
+    with pytest.raises(SweepSpecError, match=message.replace("(", r"\(")):
+        run_sweep(write_spec(tmp_path, tune=tune, **ONE_POINT), opts(tmp_path), say=quiet)
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_tuning_trial_that_cannot_start_fails_that_attempt_and_the_worker_goes_on(tmp_path, monkeypatch):
+    real, calls = tuning.start_tuning, []
+
+    def refused_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("scripted: the sampler refused its seed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuning, "start_tuning", refused_once)
+    final = run_sweep(write_spec(tmp_path, tune=LR, **ONE_POINT), opts(tmp_path), say=quiet)
+    assert final["done"] == 3 and final["failed"] == 0
+    queue, _ = queue_for(tmp_path / "results" / "t")
+    failed = [t for t in queue.trials() if t.state.name == "FAIL"]
+    assert len(failed) == 1 and "could not start: ValueError: scripted" in failed[0].user_attrs["error"]
+
+
+# -- a study in stages -----------------------------------------------------------------------------------------------
+def _staged(**overrides):
+    plan = expand(*load_spec(NSP_GLUE, overrides))
+    check(plan)
+    return plan
+
+
+def test_the_tuned_field_and_an_axis_are_one_field_however_spelled_in_a_study_in_stages():
+    tune = {"field": "pretrain.model.dropout", "low": 0.0, "high": 0.3, "log": False, "trials": 2}
+    with pytest.raises(SweepSpecError, match="tune.field: pretrain.model.dropout is the field axes.dropout sets"):
+        _staged(axes={"model.dropout": [0.0, 0.2]}, tune=tune)
+
+
+def test_tuning_a_stage_the_objectives_stage_does_not_start_from_is_refused_naming_both():
+    tune = {"field": "glue.train.weight_decay", "low": 0.0, "high": 0.3, "log": False, "trials": 2}
+    with pytest.raises(SweepSpecError, match="glue.train.weight_decay is the glue stage's, and the objective "
+                                             "pretrain.valid_mlm_loss is measured in the pretrain stage"):
+        _staged(objective={"metric": "pretrain.valid_mlm_loss"}, tune=tune)
+    _staged(tune=tune)  # the objective glue_score is measured where it is tuned
+    _staged(tune={**tune, "field": "pretrain.train.lr", "low": 1e-4, "log": True})  # ... or in a stage after it
+
+
+def test_median_pruning_in_a_study_in_stages_reads_the_log_of_the_objectives_stage(tmp_path):
+    from study.config import experiment_from_dict
+    from study.run.pipeline import stage_dir
+
+    tune = {"field": "pretrain.train.lr", "low": 1e-4, "high": 3e-3, "trials": 2, "pruner": "median"}
+    plan = _staged(objective={"metric": "pretrain.valid_mlm_loss"}, tune=tune).to_dict()
+    layout = SweepLayout(tmp_path / "results" / "nsp-glue")
+    data = plan["points"][0]["config"]
+    data["stages"]["pretrain"]["train"]["lr"] = 1.5e-3  # a tuning trial's setting
+    cfg = experiment_from_dict(data)
+    layout.point_config("tuned").parent.mkdir(parents=True)
+    layout.point_config("tuned").write_text(cfg.to_yaml())
+    run_dir = layout.run_dir("tuned", 1000)
+    watched = tuning.pruned_run_dir(layout, plan, "tuned", 1000, run_dir)
+    assert watched == stage_dir(cfg.with_seed(1000), "pretrain", run_dir, layout.runs_root) != run_dir
