@@ -84,16 +84,17 @@ def run_rounds(model, cfg, work, beam: int, rounds: int, exact: bool = True) -> 
     """Alternating rounds (the first contestant swaps each round); outputs compared every round (`exact`: any
     difference stops the run; else the number of differing hypotheses is kept)."""
     seconds: dict[str, list[float]] = {name: [] for name in CONTESTANTS}
-    outputs = {}
+    outputs, differ = {}, 0
     for r in range(rounds):
         names = list(CONTESTANTS) if r % 2 == 0 else list(reversed(CONTESTANTS))
         for name in names:
             elapsed, outputs[name] = decode_all(CONTESTANTS[name], model, cfg, work, beam)
             seconds[name].append(elapsed)
             print(f"round {r + 1}/{rounds} {name:9s} {elapsed:7.2f} s", flush=True)
-        differ = sum(a != b for a, b in zip(outputs["new"], outputs["reference"]))
-        if differ and exact:
-            raise SystemExit(f"round {r + 1}: {differ} hypotheses differ between the reference and the new search")
+        this_round = sum(a != b for a, b in zip(outputs["new"], outputs["reference"]))
+        if this_round and exact:
+            raise SystemExit(f"round {r + 1}: {this_round} hypotheses differ between the reference and the new search")
+        differ = max(differ, this_round)  # the most in any round (bf16: a tie may break either way in each round)
     return {"seconds": seconds, "hypotheses": outputs["new"], "reference_hypotheses": outputs["reference"],
             "differing_hypotheses": differ}
 
@@ -116,10 +117,11 @@ def summarise(result: dict, sentences: int, dm, refs: list[str]) -> dict:
     import sacrebleu
 
     tokens = sum(len(h) + 1 for h in result["hypotheses"])  # generated tokens, the EOS included
+    generated = {"new": tokens, "reference": sum(len(h) + 1 for h in result["reference_hypotheses"])}
     seconds = result["seconds"]
     ratios = [ref / new for ref, new in zip(seconds["reference"], seconds["new"])]
-    per = {name: {"median_s": statistics.median(s), "rounds_s": s,
-                  "sentences_per_s": sentences / statistics.median(s), "tokens_per_s": tokens / statistics.median(s)}
+    per = {name: {"median_s": statistics.median(s), "rounds_s": s, "sentences_per_s": sentences / statistics.median(s),
+                  "tokens_per_s": generated[name] / statistics.median(s)}  # each its own output's tokens
            for name, s in seconds.items()}
     def bleu(ids):
         return sacrebleu.corpus_bleu(dm.tgt_tok.decode_batch(ids), [refs]).score

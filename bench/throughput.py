@@ -373,6 +373,8 @@ def this_script(role: str, spec: str, args) -> list[str]:
 
 
 def run_probe(impl: str, arch: str, size: str, dtype: str, args) -> dict:
+    if args.compile:  # the probes build eager models: their memory is not the compiled ones'
+        return {"error": "not measured under --compile (the memory probe builds the eager model)"}
     if args.device == "cuda":
         return cuda_memory_probe(impl, arch, size, dtype, args.optimizer, args.probe_steps)
     cmd = this_script("--_probe", f"{impl},{arch},{size},{dtype}", args) + ["--probe-steps", str(args.probe_steps)]
@@ -585,7 +587,7 @@ def table(records: list[dict], gemm: dict) -> str:
         params = f"{r['params_ours'] / 1e6:.2f}M" + ("" if r["params_match"] else "(!)")
         row = [r["arch"], r["size"], r["dtype"], params]
         row += [f"{c[k]['tok_s']:,.0f}" for k in impls]
-        row += [f"{tr[k + '/hf']['median_of_rounds']:.2f}x" for k in impls if k != "hf"]
+        row += [f"{tr[k + '/hf']['median_of_rounds']:.2f}x" if k + "/hf" in tr else "-" for k in impls if k != "hf"]
         row += [f"{mem.get(k, {}).get('step_peak_mb', float('nan')):,.0f}" for k in impls]
         row += [f"{mr[k + '/hf']:.2f}x" if k + "/hf" in mr else "-" for k in impls if k != "hf"]
         row += [f"{c[k]['gflops']:.1f} ({100 * c[k]['gflops_frac_of_gemm']:.0f}%)" for k in impls]
@@ -709,14 +711,6 @@ def main(argv: list[str] | None = None) -> int:
     env["loadavg_end"] = load()
     wall = time.perf_counter() - t_start
 
-    print("\n" + table(records, gemm))
-    memory_note = ("peak CUDA allocation" if on_gpu else "peak RSS") + " over the model+optimizer baseline"
-    print(f"\ntok/s from the median step; ratios = median over rounds of per-round ratios; MB = {memory_note} "
-          f"({args.probe_steps} steps); GFLOP/s from "
-          f"study.model.accounting.flops_per_token (6 x matmul weights + causal attention), % of the best square GEMM "
-          f"of that dtype. Optimizer: {next((r['optimizer'] for r in records if 'optimizer' in r), '-')}. "
-          f"Wall {wall / 60:.1f} min.", flush=True)
-
     suffix = "-" + torch.cuda.get_device_name().split()[-1].lower() if on_gpu else ""
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"throughput-{now:%Y-%m-%d}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -735,7 +729,14 @@ def main(argv: list[str] | None = None) -> int:
         "records": records,
         "wall_s": wall,
     }
-    out.write_text(json.dumps(payload, indent=1, default=str))
+    out.write_text(json.dumps(payload, indent=1, default=str))  # before the table: a table bug never costs the run
+    print("\n" + table(records, gemm))
+    memory_note = ("peak CUDA allocation" if on_gpu else "peak RSS") + " over the model+optimizer baseline"
+    print(f"\ntok/s from the median step; ratios = median over rounds of per-round ratios; MB = {memory_note} "
+          f"({args.probe_steps} steps); GFLOP/s from "
+          f"study.model.accounting.flops_per_token (6 x matmul weights + causal attention), % of the best square GEMM "
+          f"of that dtype. Optimizer: {next((r['optimizer'] for r in records if 'optimizer' in r), '-')}. "
+          f"Wall {wall / 60:.1f} min.", flush=True)
     print(f"wrote {out}")
     return 0
 

@@ -232,3 +232,11 @@ def test_differences_name_each_differing_field_with_its_section():
     assert base.differences(other) == {"model.d_model": (64, 32), "train.lr": (3e-3, 1e-3),
                                        "train.precision": ("32-true", "bf16-mixed")}
     assert other.differences(base)["train.lr"] == (1e-3, 3e-3)
+
+
+def test_weight_averaging_is_refused_where_the_weights_are_bf16():
+    """bf16-true keeps the weights, and so the moving average, in bf16: lerp(1.0, 1.1, 0.001) is 1.0 there, and the
+    warm-up weight reaches 0 after about 4,000 updates; the average would silently stop moving."""
+    with pytest.raises(ConfigError, match="ema_decay: cannot average weights kept in bf16"):
+        TrainConfig(ema_decay=0.999, precision="bf16-true")
+    assert TrainConfig(ema_decay=0.999, precision="bf16-mixed").ema_decay == 0.999

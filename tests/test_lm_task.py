@@ -474,6 +474,21 @@ def test_weight_ema_is_what_is_evaluated_saved_and_resumed(main_run, corpus, mon
     for k in saved:
         assert torch.equal(again[k], saved[k]), k
 
+    # killed after its last checkpoint, while computing the final metrics: the rerun skips training (Lightning runs
+    # no on_train_end), and still evaluates and saves the average, not the raw weights of the checkpoint
+    class KilledInFinalMetrics(LMModule):
+        def final_metrics(self, dm):
+            raise Killed()
+
+    with monkeypatch.context() as mp:
+        mp.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, KilledInFinalMetrics))
+        with pytest.raises(Killed):
+            run(corpus, cfg, "ema-final")
+    finished = run(corpus, cfg, "ema-final")
+    assert finished["metrics"] == m["metrics"]
+    for k, v in torch.load(corpus["root"] / "ema-final" / "model.pt", weights_only=True).items():
+        assert torch.equal(v, saved[k]), k
+
 
 def test_a_killed_run_is_not_resumed_on_other_data(main_run, corpus, monkeypatch, tmp_path):
     """Resuming continues a checkpoint: on another copy of the data (other file digests) the run would train on
@@ -609,3 +624,29 @@ def test_an_lm_run_imports_neither_glue_metrics_nor_sacrebleu():
     assert out.strip() == "[]"
     with pytest.raises(ValueError, match="implemented: \\['glue', 'lm', 'pretrain', 'translation'\\]"):
         family("vision")
+
+
+def test_with_accumulation_a_step_logs_its_mean_loss_and_a_time_budget_stops_between_steps(corpus, monkeypatch):
+    """train.accumulate: 2: the logged train/loss is the mean of the optimizer step's micro-batch losses (the last
+    one alone is a sample of batch_size); a run stopped by its time budget stops at an optimizer step, never between
+    its micro-batches (whose gradients would be dropped and their tokens still counted)."""
+    from study.tasks import ledger
+
+    seen: list[tuple[int, float]] = []
+    add = ledger.StepLedger.add
+
+    def recording(self, step, loss, tokens):
+        seen.append((step, float(loss)))
+        add(self, step, loss, tokens)
+
+    monkeypatch.setattr(ledger.StepLedger, "add", recording)
+    run(corpus, make_cfg(train={"accumulate": 2, "batch_size": 4}), "accumulated")
+    logged = column_by_step(read_csv(corpus["root"] / "accumulated" / "logs" / "metrics.csv"), "train/loss")
+    assert logged
+    for step, value in logged.items():
+        micro = [loss for s, loss in seen if s == step]
+        assert len(micro) == 2 and float(value) == pytest.approx(sum(micro) / 2, rel=1e-5)
+    for i, budget in enumerate((0.3, 0.5)):
+        m = run(corpus, make_cfg(train={"accumulate": 4, "batch_size": 4, "max_steps": 100000, "max_time_s": budget,
+                                        "eval_every": 100000, "checkpoint_every": 100000}), f"budget-{i}")
+        assert m["stopped_by"] == "time" and m["train_tokens"] == m["steps"] * 4 * 4 * SEQ_LEN

@@ -445,3 +445,17 @@ def test_real_multi30k_prepares_and_a_short_run_completes(tmp_path, monkeypatch)
     data = json.loads((tmp_path / "run" / "data.json").read_text())
     assert "raw/train.de.gz" in data["files"]
     assert (tmp_path / "run" / "model.pt").is_file()
+
+
+def test_the_validation_curve_samples_the_whole_split_not_its_shortest_sentences(data_root, tmp_path):
+    """The validation batches are grouped by length (little padding); train.eval_batches then evaluates the first
+    few: in one fixed order over the whole split, not the shortest sentences' batches."""
+    from study.tasks.translation import TranslationDataModule
+
+    dm = TranslationDataModule(config(train={"batch_size": 4}), data_dir=data_root, cache_dir=tmp_path)
+    dm.prepare()
+    batches = list(dm.val_dataloader())
+    lengths = [float((b["src_mask"].sum(1) + (b["labels"] != -100).sum(1)).float().mean()) for b in batches]
+    assert len(batches) >= 4 and lengths != sorted(lengths)  # not in length order
+    again = list(dm.val_dataloader())
+    assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(batches, again))  # the same order every time

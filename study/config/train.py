@@ -70,6 +70,9 @@ class TrainConfig(Config):
         p.check(self.divergence_factor is None or self.divergence_factor > 1, "divergence_factor",
                 f"must be > 1 or null, got {self.divergence_factor}")
         p.check(self.ema_decay is None or 0 < self.ema_decay < 1, "ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
+        # the average is kept in the parameters' dtype: in bf16 an update of 1 - 0.999 of a step rounds away
+        p.check(self.ema_decay is None or self.precision != "bf16-true", "ema_decay",
+                "cannot average weights kept in bf16 (precision bf16-true): use bf16-mixed, or ema_decay null")
         p.check(self.max_time_s is None or self.max_time_s > 0, "max_time_s", "must be > 0 or null")
         p.check(self.eval_batches is None or self.eval_batches >= 1, "eval_batches", "must be >= 1 or null")
         p.check(self.checkpoint_every is None or self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1 or null")

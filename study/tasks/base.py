@@ -81,9 +81,11 @@ class SyncedTimer(Timer):
 
     def on_train_batch_end(self, trainer, *args: Any, **kwargs: Any) -> None:
         every = trainer.log_every_n_steps
+        if trainer.fit_loop._should_accumulate():  # a stop between micro-batches would drop their gradients
+            return
         if trainer.world_size == 1:
             super().on_train_batch_end(trainer, *args, **kwargs)
-        elif self._duration is not None and every > 0 and trainer.global_step % every == 0:
+        elif self._duration is not None and (every <= 0 or trainer.global_step % every == 0):
             self._sync(trainer)
             trainer.should_stop = trainer.should_stop or self.synced_seconds >= self._duration
 
@@ -156,6 +158,7 @@ class StudyModule(L.LightningModule):
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
         self.step_logs: dict[str, Any] = {}  # this step's training values, logged in on_train_batch_end
+        self._loss_step, self._step_loss = -1, 0.0  # the optimizer step whose micro-batch losses are summed
 
     @property
     def forward_model(self) -> nn.Module:
@@ -244,7 +247,11 @@ class StudyModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int):
         # Nothing here reads a device tensor: the loss and token count go to the ledger, read at logging steps.
         loss, n_tokens = self.training_loss(batch)
-        self.step_logs["train/loss"] = loss.detach()
+        if self._loss_step != self.global_step:  # the first micro-batch of an optimizer step
+            self._loss_step, self._step_loss = self.global_step, 0.0
+        # the step's loss: the mean over its micro-batches (the last one alone would be a batch_size sample)
+        self._step_loss = self._step_loss + loss.detach() / self.trainer.accumulate_grad_batches
+        self.step_logs["train/loss"] = self._step_loss
         self.step_logs["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
         self.ledger.add(int(self.global_step), loss, n_tokens)
         return loss
@@ -256,7 +263,9 @@ class StudyModule(L.LightningModule):
         # that ends the run sets should_stop there), so the last step is never missed.
         every, trainer = self.trainer.log_every_n_steps, self.trainer
         last = trainer.should_stop or (trainer.max_steps > 0 and self.global_step >= trainer.max_steps)
-        written = last or (every > 0 and self.global_step % every == 0)
+        # between micro-batches of an optimizer step (train.accumulate) nothing is written: global_step still names
+        # the step before, whose values were written at its own last micro-batch
+        written = not trainer.fit_loop._should_accumulate() and (last or (every > 0 and self.global_step % every == 0))
         if written:
             self.settle()  # before the step's time is taken: on a GPU the read waits for the queued steps
         if self._step_started is not None:
@@ -329,6 +338,13 @@ class StudyModule(L.LightningModule):
         return sum(tokens) / sum(times) if times and sum(times) > 0 else None
 
 
+def spread_order(batches: list) -> list:
+    """Validation batches of a length-sorted split in one fixed random order (the same for every run and seed):
+    `train.eval_batches` then evaluates a sample of the whole split, where the first batches in length order would
+    hold only its shortest sentences."""
+    return [batches[i] for i in torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()]
+
+
 def seeded_generator(seed: int, index: int) -> torch.Generator:
     """A generator that depends only on (seed, index)."""
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
@@ -343,7 +359,20 @@ class ExponentialMovingAverage(WeightAveraging):
 
     def __init__(self, decay: float):
         self.decay = decay
+        self._average_in_model = False
         super().__init__(use_buffers=False)  # buffers are constants (no batch norm here)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._average_in_model = True
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        # A run resumed from its checkpoint at max_steps (killed while its final metrics were computed) skips the
+        # training loop, and with it on_train_end: Lightning left the raw weights in the model, and the final
+        # metrics and model.pt would be of those.
+        if not self._average_in_model and self._average_model is not None:
+            self._copy_average_to_current(pl_module)
+            self._average_in_model = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         # Lightning's own update goes through torch's AveragedModel.update_parameters, which reads its update count

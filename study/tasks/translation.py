@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from study.config import ExperimentConfig
 from study.io import atomic_write_text
 from study.model.generate import beam_search, greedy_decode
-from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
+from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator, spread_order
 from study.tasks.contract import MetricSpec, TaskFamily
 from study.tasks.data import build_translation_tokenizers, load_translation
 
@@ -118,8 +118,8 @@ class TranslationDataModule(StudyDataModule):
         return collate([self.encoded["train"][j] for j in self._batches[int(perm[pos])]])
 
     def val_dataloader(self):
-        batches = [collate([self.encoded["valid"][j] for j in b]) for b in self._length_grouped(self.encoded["valid"], self.cfg.train.batch_size)]
-        return self._loader(batches, batch_size=None)
+        groups = spread_order(self._length_grouped(self.encoded["valid"], self.cfg.train.batch_size))
+        return self._loader([collate([self.encoded["valid"][j] for j in b]) for b in groups], batch_size=None)
 
 
 class TranslationModule(StudyModule):

@@ -11,7 +11,7 @@ import torch
 
 from study.config import ExperimentConfig
 from study.io import atomic_write
-from study.tasks.base import StepIndexedBatches, StudyDataModule, length_grouped_batches, seeded_generator
+from study.tasks.base import StepIndexedBatches, StudyDataModule, length_grouped_batches, seeded_generator, spread_order
 from study.tasks.data import GlueTaskInfo, TrainedTokenizer, build_tokenizer, glue_task_info, load_glue
 from study.tasks.glue.pretrained import pretrained_config, pretrained_tokenizer, sha256
 from study.tasks.pretrain import CLS, PAD, SEP, SPECIALS, TOKENIZER_FILE
@@ -111,4 +111,5 @@ class GlueDataModule(StudyDataModule):
         return out, order
 
     def val_dataloader(self):
-        return self._loader(self.batches(self.info.eval_splits[0], self.cfg.train.batch_size)[0], batch_size=None)
+        batches = spread_order(self.batches(self.info.eval_splits[0], self.cfg.train.batch_size)[0])
+        return self._loader(batches, batch_size=None)  # (train.eval_batches: a sample of the dev set, not its shortest)
