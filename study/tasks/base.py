@@ -158,7 +158,7 @@ class StudyModule(L.LightningModule):
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
         self.step_logs: dict[str, Any] = {}  # this step's training values, logged in on_train_batch_end
-        self._loss_step, self._step_loss = -1, 0.0  # the optimizer step whose micro-batch losses are summed
+        self._step_means: dict[str, Any] = {}  # the optimizer step's values so far, over its micro-batches
 
     @property
     def forward_model(self) -> nn.Module:
@@ -247,11 +247,7 @@ class StudyModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int):
         # Nothing here reads a device tensor: the loss and token count go to the ledger, read at logging steps.
         loss, n_tokens = self.training_loss(batch)
-        if self._loss_step != self.global_step:  # the first micro-batch of an optimizer step
-            self._loss_step, self._step_loss = self.global_step, 0.0
-        # the step's loss: the mean over its micro-batches (the last one alone would be a batch_size sample)
-        self._step_loss = self._step_loss + loss.detach() / self.trainer.accumulate_grad_batches
-        self.step_logs["train/loss"] = self._step_loss
+        self.step_logs["train/loss"] = loss.detach()
         self.step_logs["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
         self.ledger.add(int(self.global_step), loss, n_tokens)
         return loss
@@ -265,17 +261,28 @@ class StudyModule(L.LightningModule):
         last = trainer.should_stop or (trainer.max_steps > 0 and self.global_step >= trainer.max_steps)
         # between micro-batches of an optimizer step (train.accumulate) nothing is written: global_step still names
         # the step before, whose values were written at its own last micro-batch
-        written = not trainer.fit_loop._should_accumulate() and (last or (every > 0 and self.global_step % every == 0))
+        accumulating = trainer.fit_loop._should_accumulate()
+        written = not accumulating and (last or (every > 0 and self.global_step % every == 0))
         if written:
             self.settle()  # before the step's time is taken: on a GPU the read waits for the queued steps
         if self._step_started is not None:
             self.step_times.append(time.perf_counter() - self._step_started)
-        if self.step_logs and written:
-            for name, value in self.step_logs.items():
+        self._add_to_step_means(trainer.accumulate_grad_batches)
+        if self._step_means and written:
+            for name, value in self._step_means.items():
                 self.log(name, value, prog_bar=name == "train/loss", on_step=True, on_epoch=False)
-        self.step_logs = {}
+        if not accumulating:
+            self._step_means = {}
         if self.diverged_at is not None:  # a diverged run is a result: stop cleanly, its step recorded
             trainer.should_stop = True
+
+    def _add_to_step_means(self, accumulate: int) -> None:
+        """A step's logged values are the means over its micro-batches (train.accumulate; one micro-batch alone is a
+        sample of batch_size), kept on the device; a plain number (the learning rate) is the step's own."""
+        for name, value in self.step_logs.items():
+            mean = self._step_means.get(name, 0.0) + value / accumulate if torch.is_tensor(value) else value
+            self._step_means[name] = mean
+        self.step_logs = {}
 
     def settle(self) -> None:
         """Read the ledger (one host sync): count the tokens of the steps read, and apply the divergence rule."""
