@@ -29,7 +29,7 @@ def native_bf16(accelerator: str = "auto") -> bool:
     """Whether the device a run trains on multiplies bf16 natively: a CUDA GPU with bf16 (Ampere and later), or a
     CPU with AVX-512 BF16 or AMX. Elsewhere bf16 matmuls are emulated, about 100x slower than float32 on an AVX2 CPU
     (0.9 against 129 GFLOP/s for a 1024^3 GEMM, measured on this project's earlier CI machine)."""
-    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+    if trains_on_cuda(accelerator):
         try:  # without including_emulation=False a pre-Ampere GPU (V100, T4) answers True: it can *store* bf16
             return torch.cuda.is_bf16_supported(including_emulation=False)
         except TypeError:  # torch < 2.4
@@ -46,9 +46,7 @@ def enable_tf32(accelerator: str = "auto") -> bool:
     litgpt do: float32 training on an A100/H100 otherwise runs its matmuls at a fraction of the tensor cores' rate, for
     precision (10-bit mantissa products, float32 accumulation) that training does not need. Returns whether it is on
     (recorded in env.json). CPUs are left as they are."""
-    if accelerator not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability() < (8, 0):
+    if not trains_on_cuda(accelerator) or torch.cuda.get_device_capability() < (8, 0):
         return False
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -57,6 +55,11 @@ def enable_tf32(accelerator: str = "auto") -> bool:
 
 def tf32_enabled() -> bool:
     return bool(torch.cuda.is_available() and torch.backends.cuda.matmul.allow_tf32)
+
+
+def trains_on_cuda(accelerator: str) -> bool:
+    """Whether a run with this `train.accelerator` trains on a CUDA GPU (`auto` does where torch sees one)."""
+    return accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
 
 
 def trains_on_cpu(accelerator: str) -> bool:

@@ -518,11 +518,16 @@ def plot_heatmap(done: pd.DataFrame, axis_a: str, axis_b: str, values_a: list[st
     return _finish(fig, [f"{a}|{b}" for a in values_a for b in values_b if pd.notna(mean.loc[a, b])])
 
 
+def not_applied(column: pd.Series) -> pd.Series:
+    """Where an axis column says the axis does not apply to a trial (n/a, or empty as results.csv writes it)."""
+    return column.isna() | (column.astype(str) == NOT_APPLIED)
+
+
 def _empty_cell_text(rows: pd.DataFrame, axis_a: str, axis_b: str, a: str, b: str) -> str:
     """Why a heatmap cell is empty: no trial ran there, or trials ran with one of its axes not applying and their
     config leaving that axis's fields unset (an unset field is not read as the baseline's value: holding_baseline)."""
     col_a, col_b = rows[f"axis.{axis_a}"], rows[f"axis.{axis_b}"]
-    na_a, na_b = (c.isna() | (c.astype(str) == NOT_APPLIED) for c in (col_a, col_b))
+    na_a, na_b = not_applied(col_a), not_applied(col_b)
     if ((col_a == a) & na_b).any():
         return f"ran: {axis_b}\nnot applied"
     if (na_a & (col_b == b)).any():
@@ -547,7 +552,7 @@ def holding_baseline(results: SweepResults, rows: pd.DataFrame, axes: list[str])
         col, want = f"axis.{axis}", base_value.get(axis)
         if col not in rows or want is None or not fields.get(axis):
             continue
-        for label in rows.loc[rows[col].isna() | (rows[col].astype(str) == NOT_APPLIED), "label"].unique():
+        for label in rows.loc[not_applied(rows[col]), "label"].unique():
             cfg = results.experiment_config(str(label))
             if cfg and all(_config_field(cfg, f) == _config_field(base_cfg, f) for f in fields[axis]):
                 rows.loc[rows["label"] == label, col] = want

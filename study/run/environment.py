@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from study.model.precision import enable_tf32, native_bf16, resolve_precision, tf32_enabled, trains_on_cpu
+from study.model.precision import (enable_tf32, native_bf16, resolve_precision, tf32_enabled, trains_on_cpu,
+                                   trains_on_cuda)
 
 PACKAGES = ("torch", "lightning", "optuna", "tokenizers", "datasets", "sacrebleu", "transformers", "numpy", "pandas")
 
@@ -61,7 +62,7 @@ def cpu_flags() -> dict[str, bool]:
 
 def attention_kernels(accelerator: str = "auto") -> dict[str, Any]:
     """Which SDPA kernels this process may use (GPU: flash / memory-efficient / math)."""
-    if not trains_on_cpu(accelerator) and torch.cuda.is_available():
+    if trains_on_cuda(accelerator):
         return {
             "flash": torch.backends.cuda.flash_sdp_enabled(),
             "memory_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
@@ -131,7 +132,7 @@ def prepare_training_process(accelerator: str) -> None:
 def snapshot(precision: str | None = None, accelerator: str = "auto") -> dict[str, Any]:
     """env.json: what a run with `train.precision` and `train.accelerator` ran on (a CPU run on a GPU machine
     records the CPU, its bf16 and its kernels)."""
-    on_gpu = not trains_on_cpu(accelerator) and torch.cuda.is_available()
+    on_gpu = trains_on_cuda(accelerator)
     versions = {}
     for name in PACKAGES:
         try:
@@ -155,7 +156,7 @@ def snapshot(precision: str | None = None, accelerator: str = "auto") -> dict[st
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # e.g. AVX2, AVX512
         "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
         "native_bf16": native_bf16(accelerator),
-        "tf32_matmul": on_gpu and tf32_enabled(),  # float32 matmuls on TF32 tensor cores (study.model.precision.enable_tf32)
+        "tf32_matmul": on_gpu and tf32_enabled(),  # float32 matmuls on TF32 tensor cores (precision.enable_tf32)
         "attention_kernels": attention_kernels(accelerator),
         "malloc": dict(_malloc_set),  # glibc thresholds set for CPU training (reuse_freed_memory); {}: the defaults
     }
@@ -165,7 +166,7 @@ def reset_peak_memory(accelerator: str) -> None:
     """Start a run's peak-memory count here: a suite's parts and a pipeline's stages train one after another in one
     process, and each records its own peak (`peak_memory_bytes`). On Linux writing 5 to /proc/self/clear_refs resets
     the process's peak resident set (VmHWM); getrusage's ru_maxrss cannot be reset."""
-    if not trains_on_cpu(accelerator) and torch.cuda.is_available():
+    if trains_on_cuda(accelerator):
         torch.cuda.reset_peak_memory_stats()
         return
     with contextlib.suppress(OSError):
@@ -175,7 +176,7 @@ def reset_peak_memory(accelerator: str) -> None:
 def peak_memory_bytes(accelerator: str) -> int:
     """The most memory this run held since `reset_peak_memory`: the GPU's allocated bytes, or the process's peak
     resident set on the CPU (VmHWM; ru_maxrss, the lifetime peak, where /proc is not there)."""
-    if not trains_on_cpu(accelerator) and torch.cuda.is_available():
+    if trains_on_cuda(accelerator):
         return int(torch.cuda.max_memory_allocated())
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/self/status").read_text().splitlines():

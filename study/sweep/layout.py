@@ -155,15 +155,6 @@ def current_tuned(plan: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]
     return {point: entry for point, entry in tuned.items() if entry.get("tuning") == fingerprint}
 
 
-def objective_stage(metric: str, stages: list[str]) -> str | None:
-    """The stage whose run writes the objective in a study in stages (`STAGE.metric`: an earlier stage's; otherwise
-    the last stage's); None for a plain sweep."""
-    if not stages:
-        return None
-    head = metric.split(".", 1)[0]
-    return head if head in stages[:-1] else stages[-1]
-
-
 def finished_results(layout: "SweepLayout", specs: list[TrialSpec], metric: str) -> dict[str, float | None]:
     """The seed trials of `specs` whose run directory holds a result: key -> objective (None: diverged). A completed
     run without the objective is not one (its trial fails with that reason when it runs), so it is left out."""

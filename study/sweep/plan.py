@@ -297,7 +297,7 @@ def _tune_stage_problem(spec: SweepConfig, metric: str) -> str | None:
     """In a study in stages, the tuned field must be able to move the objective: it belongs to the objective's stage
     or to one that stage starts from. A later stage's (or a sibling's) field leaves every tuning trial the same run
     of the objective's stage (the one at tune.seed), so the choice would be a tie-break, not a tuning."""
-    from study.sweep.layout import objective_stage
+    from study.sweep.reach import objective_stage
 
     stages = spec.stage_names
     tuned = route(spec.tune["field"], stages)[0]

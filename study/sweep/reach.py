@@ -73,15 +73,23 @@ def reach_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig,
     return problems
 
 
+def objective_stage(metric: str, stages: list[str]) -> str | None:
+    """The stage whose run writes the objective in a study in stages (`STAGE.metric`: an earlier stage's; otherwise
+    the last stage's); None for a plain sweep."""
+    if not stages:
+        return None
+    head = metric.split(".", 1)[0]
+    return head if head in stages[:-1] else stages[-1]
+
+
 def objective(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig) -> tuple[dict[str, Any], str | None]:
     """The sweep's objective resolved against the declarations of the task that writes it ({metric, direction,
     scale, task}), and what is wrong with it (None when nothing is). In a study in stages the objective is the
     last stage's metric, or `STAGE.metric` for an earlier stage's."""
     metric, direction = spec.objective.get("metric"), spec.objective.get("direction")
     stages = spec.stage_names
-    stage, name = (stages[-1] if stages else None), metric
-    if metric and stages and metric.split(".", 1)[0] in stages[:-1]:
-        stage, name = metric.split(".", 1)
+    stage = objective_stage(metric or "", stages)
+    name = metric.split(".", 1)[1] if metric and stage in stages[:-1] else metric
     task = family(stage_config(cfg, stage).task.name)
     if name is None:
         name = task.default_objective

@@ -58,12 +58,16 @@ def _resolved_value(run: RunDir, record: dict[str, Any] | None, path: str, stage
     cfg = RunDir(directory).config if str(directory) else None
     if cfg is None or not cfg.is_file():
         return None
-    data = load_yaml(cfg.read_text()) or {}
-    section, _, name = field.partition(".")
-    return (data.get(section) or {}).get(name, _MISSING)
+    return _field_of(load_yaml(cfg.read_text()) or {}, field)
 
 
 _MISSING = object()
+
+
+def _field_of(config: dict[str, Any], field: str) -> Any:
+    """`section.name` of an experiment's config as a dict (_MISSING where it has no such field)."""
+    section, _, name = field.partition(".")
+    return (config.get(section) or {}).get(name, _MISSING)
 
 
 def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
@@ -133,8 +137,7 @@ def _config_value(config: dict[str, Any], path: str, stages: list[str]) -> Any:
     from study.config.sweep import route
 
     stage, field = route(path, stages)
-    section, _, name = field.partition(".")
-    return ((config["stages"][stage] if stage is not None else config).get(section) or {}).get(name, _MISSING)
+    return _field_of(config["stages"][stage] if stage is not None else config, field)
 
 
 def trial_row(plan: dict[str, Any], point: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from typing import Any
 
 from study.io import atomic_write_json
 from study.record import RunDir, metric_value
-from study.sweep.layout import (SweepLayout, finished_results, objective_stage, read_tuned, trial_specs,
-                                tuning_id, tuning_index, tuning_key)
+from study.sweep.layout import (SweepLayout, finished_results, read_tuned, trial_specs, tuning_id, tuning_index,
+                                tuning_key)
 from study.sweep.queue import Claimed, TrialQueue
 
 
@@ -71,6 +71,7 @@ def pruned_run_dir(layout: SweepLayout, plan: dict[str, Any], runs_point: str, s
     from study.config import experiment_from_dict
     from study.io import load_yaml
     from study.run.pipeline import resolved_precision, stage_dir
+    from study.sweep.reach import objective_stage
 
     cfg = resolved_precision(experiment_from_dict(load_yaml(layout.point_config(runs_point).read_text()))
                              .with_seed(seed))

@@ -24,6 +24,7 @@ from torch import nn
 
 from study.config import ExperimentConfig, TrainConfig
 from study.model import build_model
+from study.model.precision import trains_on_cuda
 from study.tasks.ledger import Divergence, StepLedger
 
 
@@ -473,7 +474,7 @@ class StudyDataModule(L.LightningDataModule):
         # A private generator: creating iterators must not draw from the global RNG,
         # or a resumed run's dropout masks would differ from an uninterrupted run's.
         # Pinned host memory lets a CUDA copy run asynchronously (Lightning moves batches with non_blocking=True).
-        on_cuda = torch.cuda.is_available() and self.cfg.train.accelerator in ("auto", "gpu", "cuda")
+        on_cuda = trains_on_cuda(self.cfg.train.accelerator)
         workers = self.cfg.train.num_workers
         # Workers forked, as on Linux before Python 3.14: forkserver and spawn pickle the dataset, whose batches are
         # the DataModule's bound methods (and through it the trainer), which cannot be pickled. They build CPU
