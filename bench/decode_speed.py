@@ -80,9 +80,13 @@ def decode_all(search, model, cfg, work, beam: int) -> tuple[float, list[list[in
     return time.perf_counter() - started, hyps
 
 
-def run_rounds(model, cfg, work, beam: int, rounds: int, exact: bool = True) -> dict:
+def run_rounds(model, cfg, work, beam: int, rounds: int, exact: bool = True, warmup_batches: int = 2) -> dict:
     """Alternating rounds (the first contestant swaps each round); outputs compared every round (`exact`: any
-    difference stops the run; else the number of differing hypotheses is kept)."""
+    difference stops the run; else the number of differing hypotheses is kept). Before them each contestant decodes
+    `warmup_batches` batches untimed: the first calls pay one-off costs (oneDNN primitive creation, allocator
+    growth, lazy imports) that would otherwise land on whichever contestant runs first in round 1."""
+    for name in CONTESTANTS if warmup_batches > 0 else ():
+        decode_all(CONTESTANTS[name], model, cfg, work[:warmup_batches], beam)
     seconds: dict[str, list[float]] = {name: [] for name in CONTESTANTS}
     outputs, differ = {}, 0
     for r in range(rounds):
@@ -141,6 +145,7 @@ def main() -> int:
     parser.add_argument("--split", default="test_2016_flickr")
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-batches", type=int, default=2, help="untimed batches each contestant decodes first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="the first 200 sentences only (smoke test)")
     parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
@@ -158,9 +163,11 @@ def main() -> int:
     started = time.perf_counter()
     bf16 = args.precision == "bf16"
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        result = run_rounds(model, cfg, work, args.beam, args.rounds, exact=not bf16)
+        result = run_rounds(model, cfg, work, args.beam, args.rounds, exact=not bf16,
+                            warmup_batches=args.warmup_batches)
     record = {"date": datetime.date.today().isoformat(), "split": args.split, "beam": args.beam,
-              "rounds": args.rounds, "batch_size": 100, "precision": args.precision, "run_dir": args.run,
+              "rounds": args.rounds, "warmup_batches": args.warmup_batches, "batch_size": 100,
+              "precision": args.precision, "run_dir": args.run,
               "trained": trained_model(Path(args.run)),
               "model": cfg.model.__dict__ if hasattr(cfg.model, "__dict__") else str(cfg.model),
               "machine": machine(torch.get_num_threads()), "bench_seconds": time.perf_counter() - started,

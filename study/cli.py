@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 
 def _path_problems(data_dir: str | None = None, *out_dirs: tuple[str, str | None]) -> list[str]:
@@ -57,7 +59,10 @@ def _cannot_write(command: str, err: OSError) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from study.config import ConfigError, load_experiment
 
-    if problems := _path_problems(args.data_dir, ("--out", args.out), ("--cache-dir", args.cache_dir)):
+    problems = _path_problems(args.data_dir, ("--out", args.out), ("--cache-dir", args.cache_dir))
+    if Path(args.config).is_dir():
+        problems.insert(0, f"{args.config} is a folder; give an experiment YAML (e.g. experiments/*.yaml)")
+    if problems:
         print("study run: " + "; ".join(problems), file=sys.stderr)
         return 2
     try:
@@ -70,15 +75,56 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else Path("runs") / cfg.name
     try:
-        metrics = run_experiment(cfg, out, data_dir=args.data_dir, cache_dir=args.cache_dir, force=args.force)
+        with _held(out):
+            metrics = run_experiment(cfg, out, data_dir=args.data_dir, cache_dir=args.cache_dir, force=args.force)
     except (DataError, RunDirConflict, ConfigError, ValueError) as err:
         print(f"study run: {err}", file=sys.stderr)
         return 2
     except PermissionError as err:
         return _cannot_write("run", err)
+    except KeyboardInterrupt:
+        print(f"study run: interrupted; {_resumes_from(out)}", file=sys.stderr)
+        return 130
     summary = {k: v for k, v in metrics["metrics"].items() if not isinstance(v, dict)}
     print(json.dumps({"run_dir": str(out), "status": metrics["status"], "steps": metrics["steps"], **summary}, indent=2))
     return 0
+
+
+@contextlib.contextmanager
+def _held(run_dir: Path) -> Iterator[None]:
+    """Hold the run directory's lock (the one a sweep's trial and a pipeline's stage take: a hidden file beside it)
+    while `study run` runs it: two processes training into one directory would interleave their checkpoints, logs
+    and records. A second `study run` is refused at once rather than left waiting. Only rank zero locks: the other
+    ranks of a DDP run are started by it while it holds the lock."""
+    from study.io import exclusive_lock
+    from study.run import RunDirConflict
+    from study.run.single import launch_rank
+
+    if launch_rank() != 0:
+        yield
+        return
+    run_dir = Path(os.path.abspath(run_dir))
+
+    def taken() -> None:
+        raise RunDirConflict(f"{run_dir} is being run by another process (a `study run` or a sweep's trial); wait for "
+                             "it to end, or choose another --out")
+
+    with exclusive_lock(run_dir.parent / f".{run_dir.name}.lock", on_wait=taken):
+        yield
+
+
+def _resumes_from(run_dir: Path) -> str:
+    """What an interrupted `study run` left in its run directory, and how to go on."""
+    from study.record import RunDir
+
+    run = RunDir(run_dir)
+    if run.finished():
+        return f"{run_dir} holds the finished run"
+    if not run.path.is_dir():
+        return "nothing was written"
+    if next(run.path.rglob("last.ckpt"), None) is not None:  # (a suite's or a pipeline's: in its parts)
+        return f"no result recorded; the same command resumes {run_dir} from its last checkpoint"
+    return f"no result recorded; the same command runs {run_dir} again (no checkpoint had been written)"
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -122,7 +168,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     try:
         print(status(_sweep_dir(args.sweep, args.results), args.storage))
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         print(f"study status: {err}", file=sys.stderr)
         return 2
     return 0
@@ -132,7 +178,11 @@ def _cmd_results(args: argparse.Namespace) -> int:
     from study.io import read_json
     from study.sweep.results import summary, write_table
 
-    sweep_dir = _sweep_dir(args.sweep, args.results)
+    try:
+        sweep_dir = _sweep_dir(args.sweep, args.results)
+    except ValueError as err:
+        print(f"study results: {err}", file=sys.stderr)
+        return 2
     if not (sweep_dir / "plan.json").is_file():
         print(f"study results: {sweep_dir} holds no sweep (no plan.json)", file=sys.stderr)
         return 2
@@ -170,10 +220,26 @@ def _sweep_dir(sweep: str, results: str) -> Path:
     if path.is_dir():
         return path
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        from study.io import load_yaml
-
-        return Path(results) / (load_yaml(path.read_text()) or {}).get("name", path.stem)
+        return Path(results) / _spec_name(path)
     return Path(results) / sweep
+
+
+def _spec_name(spec: Path) -> str:
+    """The sweep name a spec YAML gives (its file name's stem when it names none); ValueError naming the file when it
+    cannot be read as a spec."""
+    import yaml
+
+    from study.io import load_yaml
+
+    try:
+        data = load_yaml(spec.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ValueError(f"{spec}: not valid YAML: {' '.join(str(err).split())}") from None
+    name = data.get("name", spec.stem) if isinstance(data, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{spec}: not a sweep spec (a mapping whose `name` is the sweep's name); give the spec, "
+                         "its results folder, or the sweep's name")
+    return name
 
 
 def _cmd_score_mt(args: argparse.Namespace) -> int:
@@ -181,13 +247,23 @@ def _cmd_score_mt(args: argparse.Namespace) -> int:
     from study.tasks.data import DataError
     from study.tasks.score_mt import score_newstest2014
 
+    default = Path("runs") / f"newstest2014-{args.src}-{args.tgt}-{Path(args.model).name}.json"
+    out = Path(args.out) if args.out else default
+    # checked before the model decodes for minutes, whose scores an unwritable --out would lose
+    problems = _path_problems(args.data_dir)
+    if out.is_dir():
+        problems.append(f"--out {out} is a folder; give the result JSON's file name")
+    elif not out.exists():
+        problems += _out_dir_problems("--out", str(out))  # the folders it would be written in
+    if problems:
+        print("study score-mt: " + "; ".join(problems), file=sys.stderr)
+        return 2
     try:
         result = score_newstest2014(args.model, args.src, args.tgt, args.data_dir, beam_size=args.beam,
                                     batch_size=args.batch_size, limit=args.limit)
     except DataError as err:
         print(f"study score-mt: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path("runs") / f"newstest2014-{args.src}-{args.tgt}-{Path(args.model).name}.json"
     atomic_write_json(out, result)
     print(json.dumps({k: result[k] for k in ("model", "sentences", "bleu", "bleu_signature", "chrf", "decode_seconds")},
                      indent=2))
@@ -247,6 +323,15 @@ def _add_sweep_command(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C while starting up (imports, reading data): one line, not a traceback
+        print("study: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="study", description="Ablation studies of transformer design choices")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train and evaluate one experiment config")
@@ -269,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd.set_defaults(func=func)
     score = sub.add_parser("score-mt", help="score a Hugging Face seq2seq model on WMT14 newstest2014 (sacreBLEU)")
     score.add_argument("model", help="hub id or local folder of a seq2seq checkpoint with its tokenizer")
-    score.add_argument("--src", default="de", choices=["de", "en"])
-    score.add_argument("--tgt", default="en", choices=["de", "en"])
-    score.add_argument("--beam", type=_positive_int, default=4)
-    score.add_argument("--batch-size", type=_positive_int, default=16)
+    score.add_argument("--src", default="de", choices=["de", "en"], help="source language (default: de)")
+    score.add_argument("--tgt", default="en", choices=["de", "en"], help="target language (default: en)")
+    score.add_argument("--beam", type=_positive_int, default=4, help="beam size (default: 4)")
+    score.add_argument("--batch-size", type=_positive_int, default=16,
+                       help="sentences decoded at once (default: 16)")
     score.add_argument("--limit", type=_positive_int,
                        help="score only the first N segments (the JSON says it is partial)")
     score.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR"),
@@ -284,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     add_report_commands(sub)  # study report RESULTS, study compare RESULTS
     sub.add_parser("axes", help="list every design axis and its values").set_defaults(func=_cmd_axes)
     sub.add_parser("presets", help="list the architecture presets").set_defaults(func=_cmd_presets)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def _umask() -> int:
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Call write(tmp_path) for a temporary file beside `path`, fsync it, then rename it over `path`."""
+    """Call write(tmp_path) for a temporary file beside `path`, fsync it, rename it over `path`, fsync the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -46,6 +46,22 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable: until the folder itself is synced, a power cut can undo the rename, and a
+    run directory would come back with its metrics.json missing or an older one in its place."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # (a platform or filesystem where a folder cannot be opened: nothing to sync)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems (network mounts) refuse fsync on a folder; the rename stands regardless
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

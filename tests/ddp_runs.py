@@ -4,14 +4,17 @@ Lightning starts rank 1 by running this script again (LOCAL_RANK=1). Each rank w
 records it wrote, the record it returned, the learning rate of each step, the model's parameters at the end of
 training and how many broadcasts it made.
 
-CASE: `pipeline` (MLM-only pretraining -> GLUE, the heads each stage leaves unused) or `time-budget` (a language
-model stopped by train.max_time_s, whose learning rate follows the clock).
+CASE: `pipeline` (MLM-only pretraining -> GLUE, the heads each stage leaves unused), `time-budget` (a language
+model stopped by train.max_time_s, whose learning rate follows the clock) or `rng` (a language model with dropout,
+checkpointed every 2 steps; `rng crash` fails on both ranks after the checkpoint of step 2, as a killed job would
+stop). Each rank also records a digest of its random stream at every training step.
 """
 
 from __future__ import annotations
 
 import atexit
 import copy
+import hashlib
 import json
 import os
 import sys
@@ -25,9 +28,10 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 ROOT, CASE = Path(sys.argv[1]), sys.argv[2]
+CRASH = sys.argv[3:] == ["crash"]
 RANK = int(os.environ.get("LOCAL_RANK", 0))
 DDP = {"accelerator": "cpu", "devices": 2, "strategy": "ddp"}
-SEEN: dict = {"writes": [], "lrs": [], "broadcasts": 0, "params": None, "returned": None, "loaded": []}
+SEEN: dict = {"writes": [], "lrs": [], "rng": {}, "broadcasts": 0, "params": None, "returned": None, "loaded": []}
 
 
 def _config():
@@ -52,6 +56,9 @@ def _config():
 
     if RANK == 0:
         write_corpus(ROOT / "data")
+    if CASE == "rng":
+        return make_cfg(model={"dropout": 0.2}, train={"max_steps": 4, "checkpoint_every": 2, "eval_every": 2,
+                                                       "log_every": 2, **DDP})
     return make_cfg(train={"max_steps": 100000, "max_time_s": 4, "schedule": "cosine", "warmup_steps": 1,
                            "eval_every": 100000, "checkpoint_every": 100000, "log_every": 5, "grad_norm_every": 0,
                            **DDP})
@@ -77,7 +84,10 @@ def _watch() -> None:
         return broadcast(self, obj, src)
 
     def watched_step(self, batch, index):
+        if CRASH and self.global_step == 2:
+            raise SystemExit(f"rank {RANK} stops after the checkpoint of step 2")
         SEEN["lrs"].append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        SEEN["rng"][self.global_step] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
         return step(self, batch, index)
 
     def watched_end(self):

@@ -102,7 +102,10 @@ def test_sinusoidal_and_t5_bias_rules_live_on_their_classes():
     with pytest.raises(ConfigError) as err:
         ModelConfig(**base, d_model=16, position="t5_bias", rel_buckets=2, rel_max_distance=1)
     assert {p.split(":")[0] for p in err.value.problems} == {"rel_buckets", "rel_max_distance"}
-    ModelConfig(**base, d_model=16, position="rope", rel_buckets=2, rel_max_distance=1)  # only t5_bias reads them
+    # only t5_bias reads them: under another scheme they are refused as unread, not by t5_bias's bounds
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**base, d_model=16, position="rope", rel_buckets=2, rel_max_distance=1)
+    assert all("only applies to position='t5_bias'" in p for p in err.value.problems)
 
 
 def test_t5_bias_distance_bound_follows_the_stacks_direction():

@@ -194,6 +194,16 @@ def test_translation_needs_a_lossless_tokenizer():
     assert TaskConfig(name="translation", dataset="multi30k", tokenizer="bpe", vocab_size=1000).tokenizer == "bpe"
 
 
+def test_a_vocab_size_for_a_character_vocabulary_is_refused_when_the_config_is_read():
+    """A character vocabulary is the corpus's characters: `vocab_size: 512` would label a model it does not build
+    (and a sweep over it would train one model under every label)."""
+    from study.config import TaskConfig
+
+    with pytest.raises(ConfigError, match="vocab_size.*char"):
+        TaskConfig(name="lm", dataset="tinyshakespeare", tokenizer="char", vocab_size=512)
+    assert TaskConfig(name="lm", dataset="tinyshakespeare", tokenizer="char").vocab_size is None
+
+
 def test_gated_ffn_default_width_keeps_the_parameter_count():
     from study.axes import default_d_ff
 

@@ -16,11 +16,11 @@ SCRIPT = Path(__file__).resolve().parent / "ddp_runs.py"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo on two local processes")
 
 
-def _run(tmp_path: Path, case: str) -> tuple[dict, dict]:
+def _run(tmp_path: Path, case: str, *args: str, fails: bool = False) -> tuple[dict, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "RANK")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), case], env={**env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), case, *args],
+                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert (proc.returncode != 0) == fails, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     return ranks[0], ranks[1]
 
@@ -50,3 +50,18 @@ def test_a_time_budget_gives_every_rank_the_same_learning_rate_and_no_sync_per_s
     assert zero["broadcasts"] <= steps // 5 + 5  # log_every 5: one a logging step, a few at start and end
     record = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert record["stopped_by"] == "time" and record["steps"] == steps
+
+
+def test_each_rank_draws_its_own_dropout_stream_and_a_resumed_run_continues_every_rank_s(tmp_path):
+    """Every rank is seeded alike (one model initialisation); alike streams would give each rank's examples rank 0's
+    dropout masks. Rank 0 keeps the seed's stream (what one process draws), the others take their own; a checkpoint
+    holds every rank's stream, so a run stopped after step 2 and resumed draws what the uninterrupted run drew."""
+    whole = _run(tmp_path / "whole", "rng")
+    assert all(whole[0]["rng"][s] != whole[1]["rng"][s] for s in whole[0]["rng"])
+    assert sorted(whole[0]["rng"]) == ["0", "1", "2", "3"]
+    _run(tmp_path / "stopped", "rng", "crash", fails=True)
+    resumed = _run(tmp_path / "stopped", "rng")
+    for rank in (0, 1):
+        assert sorted(resumed[rank]["rng"]) == ["2", "3"]
+        assert resumed[rank]["rng"] == {s: whole[rank]["rng"][s] for s in ("2", "3")}
+        assert resumed[rank]["params"] == whole[rank]["params"]

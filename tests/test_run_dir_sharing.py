@@ -58,6 +58,7 @@ def test_a_pipeline_trial_records_the_run_it_fine_tunes_from_the_same_way_from_a
         return _finished(run_dir, stage)
 
     monkeypatch.setattr(study.run, "run_experiment", stage_runner)
+    monkeypatch.setattr("study.run.pipeline.refuse_missing_data", lambda cfg, data_dir: None)  # no data here
     monkeypatch.setattr(environment, "prepare_training_process", lambda accelerator: None)
     monkeypatch.setattr(environment, "snapshot", lambda *args, **kwargs: {})
     cfg = PipelineConfig.from_dict({"name": "p", "stages": {"pretrain": PRETRAIN, "glue": GLUE}})

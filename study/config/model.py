@@ -9,6 +9,7 @@ is first validated, not when `study.config` is imported (which stays free of tor
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,9 @@ ARCHS = ("encoder", "decoder", "encoder-decoder")
 # objective -> the architecture it trains
 OBJECTIVES = {"clm": "decoder", "mlm": "encoder", "seq2seq": "encoder-decoder"}
 DEFAULT_OBJECTIVE = {arch: obj for obj, arch in OBJECTIVES.items()}
+# Fields only one position scheme reads: set (away from its default) under another scheme, such a field would reach
+# no module while the results table still lists it, so it is refused instead.
+POSITION_FIELDS = {"rope_theta": "rope", "rel_buckets": "t5_bias", "rel_max_distance": "t5_bias"}
 
 
 def axis_choices() -> dict[str, list[str]]:
@@ -113,11 +117,18 @@ class ModelConfig(Config):
         pattern = self.window_pattern or "L"
         return ["local" if pattern[i % len(pattern)] == "L" else "global" for i in range(n)]
 
+    def stack_spans(self) -> list[str]:
+        """`layer_spans` of every stack the arch builds (an encoder-decoder's decoder, then its encoder): the pattern
+        restarts in each stack."""
+        depths = [self.n_layers] + ([self.resolved_encoder_layers] if self.arch == "encoder-decoder" else [])
+        return [span for depth in depths for span in self.layer_spans(depth)]
+
     # validation ---------------------------------------------------------------
     def _validate(self, p: Problems) -> None:
         self._validate_values(p)
         self._validate_heads(p)
         self._validate_axes(p)
+        self._validate_position_fields(p)
         self._validate_span(p)
         self._validate_objective(p)
 
@@ -161,6 +172,7 @@ class ModelConfig(Config):
     def _validate_span(self, p: Problems) -> None:
         if self.window is not None:
             p.check(self.window >= 1, "window", f"must be >= 1 (or null for global attention), got {self.window}")
+            self._validate_window_reach(p)
         if self.window_pattern is None:
             return
         pattern_ok = p.check(
@@ -169,6 +181,50 @@ class ModelConfig(Config):
         p.check(self.window is not None, "window_pattern", "needs window to be set (the span of the L layers)")
         if pattern_ok and self.window is not None:
             p.check("L" in self.window_pattern, "window_pattern", "has no L layer, so window would be unused")
+            self._validate_pattern_depth(p)
+
+    def _validate_pattern_depth(self, p: Problems) -> None:
+        """The pattern is cut to each stack's depth: the layers it names must exist, or its L (window) or its G
+        would reach no layer while the config still states it."""
+        if self.n_layers < 1:
+            return
+        spans, pattern = self.stack_spans(), self.window_pattern
+        depth = f"n_layers={self.n_layers}" + (
+            f" and n_encoder_layers={self.resolved_encoder_layers}" if self.arch == "encoder-decoder" else "")
+        if "L" in pattern:
+            p.check("local" in spans, "window_pattern",
+                    f"{pattern!r} over {depth} builds no local layer, so window would be unused; put an L within "
+                    f"the first {max(self.n_layers, self.resolved_encoder_layers)} letters")
+        if "G" in pattern and "L" in pattern:
+            p.check("global" in spans, "window_pattern",
+                    f"{pattern!r} over {depth} builds no global layer, the same model as window_pattern=null; "
+                    "put a G within the layers built, or leave window_pattern null")
+
+    def _validate_window_reach(self, p: Problems) -> None:
+        """A window as long as every sequence the position scheme can address (a learned table of max_seq_len rows)
+        masks no key: the layers it names would be global."""
+        from study.axes import POSITIONS  # lazily, as in axis_choices: study.config stays torch-free
+
+        if self.window is None or self.window < 1 or self.position not in POSITIONS:
+            return
+        limit = POSITIONS[self.position].max_positions(self)
+        if limit is not None:
+            p.check(self.window < limit, "window",
+                    f"{self.window} is not shorter than the {limit} positions {self.position!r} positions can "
+                    f"address (max_seq_len), so it would mask nothing; valid: 1 to {limit - 1}, or null")
+
+    def _validate_position_fields(self, p: Problems) -> None:
+        """A field only one position scheme reads stays at its default under the others (POSITION_FIELDS)."""
+        from study.axes import POSITIONS  # lazily, as in axis_choices: study.config stays torch-free
+
+        if self.position not in POSITIONS:
+            return  # _validate_axes names the position already
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, owner in POSITION_FIELDS.items():
+            value = getattr(self, name)
+            p.check(self.position == owner or value == defaults[name], name,
+                    f"only applies to position={owner!r}, got {value} with position={self.position!r} (which "
+                    f"ignores it); leave it at its default {defaults[name]} or use position={owner!r}")
 
     def _validate_objective(self, p: Problems) -> None:
         """The objective trains its architecture; the heads it needs are there."""

@@ -41,8 +41,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         dropout=0.1, bias=False, tie_embeddings=True, vocab_size=32128, max_seq_len=512,
     ),
     # d_ff is left to the rule (4 d_model, or 8/3 d_model rounded up to 256 for gated FFNs), so it
-# scales when a sweep overrides d_model; Mistral's 14,336 (3.5 d_model) is not that rule and is set.
-# Touvron et al. 2023, Llama 2 (7B shape) with grouped-query attention as in its 34B/70B models
+    # scales when a sweep overrides d_model; Mistral's 14,336 (3.5 d_model) is not that rule and is set.
+    # Touvron et al. 2023, Llama 2 (7B shape) with grouped-query attention as in its 34B/70B models
     # (Ainslie et al. 2023): pre-RMSNorm, RoPE, SwiGLU, no biases, untied output.
     "llama2": dict(
         arch="decoder", norm_position="pre", norm="rmsnorm", norm_eps=1e-5, position="rope", rope_theta=10000.0,

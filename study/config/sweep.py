@@ -218,6 +218,26 @@ def parse_axis(name: str, raw: Any, p: Problems, stages: list[str] = ()) -> Axis
     return Axis(name=name, values=values, when=when)
 
 
+def _condition_cycles(axes: list[Axis]) -> dict[str, list[str]]:
+    """Axis name -> a cycle of conditions through it (`a -> b -> a`), said once per cycle."""
+    when = {a.name: [o for o in a.when if o != a.name] for a in axes}  # (naming itself is refused on its own)
+
+    def walk(path: list[str]) -> list[str] | None:
+        for other in when.get(path[-1], []):
+            if other == path[0]:
+                return [*path, other]
+            if other not in path and (found := walk([*path, other])):
+                return found
+        return None
+
+    cycles: dict[str, list[str]] = {}
+    for start in when:
+        cycle = walk([start])
+        if cycle and not any(set(cycle) == set(c) for c in cycles.values()):
+            cycles[start] = cycle
+    return cycles
+
+
 @dataclass(frozen=True)
 class SweepConfig(Config):
     name: str = "sweep"
@@ -288,6 +308,9 @@ class SweepConfig(Config):
                 for label in labels:
                     p.check(label in known, f"axes.{axis.name}.when",
                             f"{other}={label!r} is not a value of axis {other!r}; values: {known}")
+        for axis_name, cycle in _condition_cycles(axes).items():
+            p.add(f"axes.{axis_name}.when", f"the conditions form a cycle ({' -> '.join(cycle)}): each axis applies "
+                                            "only where another already does, so no point would take their values")
         for i, rule in enumerate(self.exclude):
             if not isinstance(rule, dict) or not rule:
                 p.add(f"exclude[{i}]", "must map axes to values, e.g. {position: learned, span: local}")

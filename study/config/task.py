@@ -38,7 +38,7 @@ class TaskConfig(Config):
     dataset: str = "tinyshakespeare"
     seq_len: int = 128  # lm/pretrain: training context; translation: max tokens per sentence
     tokenizer: str | None = None  # None -> the dataset's conventional one
-    vocab_size: int | None = None  # bpe/wordpiece target size; char/word take the corpus vocabulary
+    vocab_size: int | None = None  # bpe/wordpiece target size; word: the most frequent words (None: all); char: None
     lowercase: bool = False
     # lm: perplexity at these multiples of seq_len (length extrapolation, Press et al. 2022)
     eval_lengths: tuple[int, ...] = (1, 2, 4, 8)
@@ -151,6 +151,9 @@ class TaskConfig(Config):
             p.check(self.tokenizer in ("bpe", "char"), "tokenizer",
                     f"translation is scored on detokenized text and needs a lossless tokenizer ('bpe' or 'char'), "
                     f"got {self.tokenizer!r}")
+        # a character vocabulary is the corpus's characters: a size would be a label the model does not have
+        p.check(self.tokenizer != "char" or self.vocab_size is None, "vocab_size",
+                f"tokenizer='char' takes the corpus's characters; leave vocab_size null, got {self.vocab_size}")
         if self.tokenizer == "bpe" and self.vocab_size is not None:
             # byte-level BPE starts from 256 byte symbols; fewer leaves no room for a single merge
             p.check(self.vocab_size > 260, "vocab_size", f"byte-level bpe needs vocab_size > 260, got {self.vocab_size}")

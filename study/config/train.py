@@ -78,3 +78,9 @@ class TrainConfig(Config):
         p.check(self.checkpoint_every is None or self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1 or null")
         if self.schedule == "inverse_sqrt":
             p.check(self.warmup_steps >= 1, "warmup_steps", "inverse_sqrt needs warmup_steps >= 1")
+        # only a decaying schedule has a floor (study.tasks.base.lr_multiplier): elsewhere the value would be unread
+        if self.schedule in ("constant", "inverse_sqrt"):
+            default = type(self).__dataclass_fields__["min_lr_ratio"].default
+            p.check(self.min_lr_ratio == default, "min_lr_ratio",
+                    f"only applies to schedule cosine or linear (a floor of their decay), got {self.min_lr_ratio} with "
+                    f"schedule={self.schedule!r}; leave it at its default {default}")

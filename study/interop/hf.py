@@ -291,6 +291,17 @@ def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
     return torch.cat(biases)
 
 
+def _check_tied(model: TransformerBase, head: nn.Module | None, embedding: torch.Tensor, what: str) -> None:
+    """Refuse an output projection that differs from the input embeddings of a model whose config ties them: ours
+    would share one matrix (the embeddings) and so compute other logits than the Hugging Face model does."""
+    weight = getattr(head, "weight", None)
+    if not model.config.tie_embeddings or weight is None or weight.data_ptr() == embedding.data_ptr():
+        return
+    if not torch.equal(weight, embedding):
+        raise UnsupportedHFModel(f"{what}: tie_word_embeddings=True but the output projection differs from the "
+                                 "input embeddings; set tie_word_embeddings=False to import both")
+
+
 def _load_bert(model: EncoderModel, hf, copy: _Copier) -> None:
     bert = getattr(hf, "bert", hf)
     emb = bert.embeddings
@@ -326,11 +337,7 @@ def _load_bert(model: EncoderModel, hf, copy: _Copier) -> None:
         # the bias the forward pass really adds; HF ties it to `predictions.bias`
         bias = dec.bias if dec.bias is not None else predictions.bias
         proj = model.mlm_head.decoder.proj
-        if model.config.tie_embeddings:
-            if dec.weight.data_ptr() != emb.word_embeddings.weight.data_ptr() and not torch.equal(
-                dec.weight, emb.word_embeddings.weight
-            ):
-                raise UnsupportedHFModel("bert: tie_word_embeddings=True but the MLM decoder differs from the embeddings")
+        _check_tied(model, dec, emb.word_embeddings.weight, "bert")
         copy(proj.weight, dec.weight, "cls.predictions.decoder.weight")
         copy(proj.bias, bias, "cls.predictions.decoder.bias")
     seq = getattr(cls, "seq_relationship", None)
@@ -356,6 +363,7 @@ def _load_gpt2(model: DecoderLM, hf, copy: _Copier) -> None:
         copy.linear(ours.ffn.w_out, theirs.mlp.c_proj.weight.t(), theirs.mlp.c_proj.bias, f"{p}.mlp.c_proj")
     copy.norm(dec.final_norm, tr.ln_f, "ln_f")
     head = getattr(hf, "lm_head", None)
+    _check_tied(model, head, tr.wte.weight, "gpt2")
     if head is not None and not model.config.tie_embeddings:
         copy.linear(model.lm_head.proj, head.weight, head.bias, "lm_head")
 
@@ -385,6 +393,7 @@ def _load_llama(model: DecoderLM, hf, copy: _Copier) -> None:
         copy.linear(ours.ffn.w_out, mlp.down_proj.weight, mlp.down_proj.bias, f"{p}.mlp.down_proj")
     copy.norm(dec.final_norm, base.norm, "norm")
     head = getattr(hf, "lm_head", None)
+    _check_tied(model, head, base.embed_tokens.weight, hf.config.model_type)
     if head is not None and not model.config.tie_embeddings:
         copy.linear(model.lm_head.proj, head.weight, head.bias, "lm_head")
 

@@ -258,11 +258,16 @@ def sample(
     model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Autoregressive sampling from a decoder-only model with the KV cache (temperature 0: greedy)."""
+    """Autoregressive sampling from a decoder-only model with the KV cache (temperature 0: greedy). One forward
+    pass per new token (the prompt's, then each drawn token's but the last, which nothing reads), so a prompt of P
+    tokens feeds positions 0..P + max_new_tokens - 2: a learned table of max_seq_len rows predicts up to
+    max_seq_len - P + 1 tokens, as many as a full forward of max_seq_len tokens does."""
     cache = KVCache()
     logits = model(prompt, cache=cache)[:, -1]
     out = prompt
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
+        if i:  # the previous token's logits; the first come from the prompt
+            logits = model(out[:, -1:], cache=cache)[:, -1]
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
@@ -272,5 +277,4 @@ def sample(
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
         out = torch.cat([out, nxt], dim=1)
-        logits = model(nxt, cache=cache)[:, -1]
     return out

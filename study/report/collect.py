@@ -318,6 +318,29 @@ class SweepResults:
         order = self.axes.get(axis, []) + sorted(set(found) - set(self.axes.get(axis, [])))
         return [(v, found[v]) for v in order if v in found]
 
+    def ran_at(self, label: str, field: str) -> str | None:
+        """The value cell `label` ran `field` at (normalised): the table's `config.<field>`, where the sweep recorded
+        it with unset fields resolved (study.sweep.results.resolved_fields: `n_kv_heads: null` ran as n_heads); None
+        where the table does not record it (one written before it did)."""
+        col = f"config.{field}"
+        values = self.table.loc[self.table["label"] == label, col].dropna() if col in self.table else []
+        return normalise_value(values.iloc[0]) if len(values) else None
+
+    def set_alike(self, labels: tuple[str, str], fields: list[str]) -> bool:
+        """Do two cells set every field in `fields` alike, as they ran? On the values the table records (a cell that
+        leaves n_kv_heads unset and one that spells out n_heads both ran MHA); where it records none, on the planned
+        configs literally, since the report does not know a config's defaults (an unset field there is not taken
+        for one, and the cells are then not alike)."""
+        configs = [self.experiment_config(label) for label in labels]
+        for f in fields:
+            ran = [self.ran_at(label, f) for label in labels]
+            if None not in ran:
+                if ran[0] != ran[1]:
+                    return False
+            elif not all(configs) or config_field(configs[0], f) != config_field(configs[1], f):
+                return False
+        return True
+
     def label_for(self, axis: str, value: str) -> str | None:
         """The label of the point that sets `axis` to `value` and every other axis to the baseline."""
         want = normalise_value(value)
@@ -445,6 +468,13 @@ class SweepResults:
         if not stages:
             return cfg
         return (stages.get(stage) if stage else list(stages.values())[-1]) or {}
+
+
+def config_field(config: dict, dotted: str) -> Any:
+    """`section.name` of a config as a dict, literally (None where it is unset or absent)."""
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def normalise_value(value: Any) -> str:

@@ -36,6 +36,7 @@ from study.report.collect import (
     Declaration,
     SweepResults,
     at_2x_column,
+    config_field,
     metric_column,
     metric_name,
     normalise_value,
@@ -93,11 +94,18 @@ def _same_size(m: Measurement, pub: pd.Series) -> bool:
     return not math.isfinite(size) or 1 / SIZE_FACTOR <= size <= SIZE_FACTOR
 
 
+def _same_metric_variant(m: Measurement, pub: pd.Series) -> bool:
+    """The same scorer, tokenization, casing and unit: equal variant keys, neither of them unknown (a sacreBLEU score
+    whose signature neither side records is not known to be the same variant: `sacrebleu:unspecified`)."""
+    keys = (str(m.variant_key), str(pub["variant_key"]))
+    return keys[0] == keys[1] and not any("unspecified" in k.split(":") for k in keys)
+
+
 def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
-    """(comparable, sentence): comparable only when the metric variant, the split, the model variant (where the
-    published row states one) and the size (within a factor SIZE_FACTOR in parameters, where both are known) are the
-    same; otherwise every difference is named."""
-    same_variant = m.variant_key == pub["variant_key"]
+    """(comparable, sentence): comparable only when the metric variant (known on both sides), the split, the model
+    variant (where the published row states one) and the size (within a factor SIZE_FACTOR in parameters, where both
+    are known) are the same; otherwise every difference is named, and a size not known is never called the same."""
+    same_variant = _same_metric_variant(m, pub)
     same_split = m.split.lower() == str(pub["split"]).lower()
     same_model = _same_model_variant(m, pub)
     parts = []
@@ -105,20 +113,23 @@ def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
         parts.append(f"different model variant (ours: {model_variant_words(m.model_variant)}; published: "
                      f"{model_variant_words(str(pub['model_variant']))})")
     if not same_variant:
-        parts.append(f"different metric variant (ours: {m.variant_words}; published: {pub['metric_variant']})")
+        what = "different" if m.variant_key != pub["variant_key"] else "unknown"
+        parts.append(f"{what} metric variant (ours: {m.variant_words}; published: {pub['metric_variant']})")
     if not same_split:
         parts.append(f"different split (ours: {m.split}; published: {pub['split']})")
     same_size, pub_params = _same_size(m, pub), _published_params(pub)
     if not same_size:
         parts.append(f"different size (parameters ours/published {_ratio(m.params, pub_params)})")
     comparable = same_variant and same_split and same_model and same_size
-    notes = [] if math.isfinite(_size(m, pub)) else ["size not known on both sides"]
+    size_known = math.isfinite(_size(m, pub))
+    notes = [] if size_known else ["size not known on both sides"]
     if "community" in str(pub["verification"]).lower():
         notes.append("community result, not a peer-reviewed number")
     elif "secondary" in str(pub["verification"]).lower():
         notes.append("published number from a secondary transcription")
-    head = ("same metric variant, split, model variant and size" if comparable
-            else "NOT directly comparable: " + "; ".join(parts))
+    same = "same metric variant, split, model variant and size" if size_known else \
+        "same metric variant, split and model variant"
+    head = same if comparable else "NOT directly comparable: " + "; ".join(parts)
     return comparable, head + ("; " + "; ".join(notes) if notes else "")
 
 
@@ -144,7 +155,7 @@ def compare_numbers(measurements: list[Measurement], published: pd.DataFrame) ->
                 "published_model_variant": pub.get("model_variant", ""),
                 "published_split": pub["split"], "published_metric_variant": pub["metric_variant"],
                 "published_variant_key": pub["variant_key"], "verification": pub["verification"],
-                "same_metric_variant": m.variant_key == pub["variant_key"],
+                "same_metric_variant": _same_metric_variant(m, pub),
                 "same_split": m.split.lower() == str(pub["split"]).lower(),
                 "same_model_variant": _same_model_variant(m, pub), "same_size": _same_size(m, pub),
                 "comparable": comparable,
@@ -179,22 +190,16 @@ def _cells(results: SweepResults) -> dict[str, dict[str, str]]:
     return {lbl: {a: value(lbl, a) for a in axes} for lbl in results.variant_order if lbl in rows.index}
 
 
-def _field(config: dict, dotted: str):
-    for part in dotted.split("."):
-        config = config.get(part) if isinstance(config, dict) else None
-    return config
-
-
 def _held_alike(results: SweepResults, axis: str, labels: tuple[str, str], values: tuple[str, str]) -> bool:
     """Do two cells hold `axis` alike? Both at the same value; or, where it does not apply to one of them, only when
-    their configs agree on every field the axis sets (literally: a field left unset is not taken for a default)."""
+    they ran every field the axis sets alike (`SweepResults.set_alike`: an unset field resolved where the table
+    records it, so a cell leaving n_kv_heads unset holds MHA as a cell that spells it out does)."""
     if NOT_APPLIED not in values:
         return normalise_value(values[0]) == normalise_value(values[1])
     fields = (results.plan.get("axis_fields") or {}).get(axis) or []
     if not fields:
         return values[0] == values[1]
-    configs = [results.experiment_config(label) for label in labels]
-    return all(configs) and all(_field(configs[0], f) == _field(configs[1], f) for f in fields)
+    return results.set_alike(labels, fields)
 
 
 def cell_pairs(results: SweepResults, axis: str, baseline: str, variant: str) -> list[CellPair]:
@@ -259,12 +264,12 @@ def _unvaried_held(results: SweepResults, e: pd.Series, pair: CellPair) -> tuple
         fields = _condition_fields(configs[0], axis, value)
         if not fields:
             return f"{head}; not checked: no config field is known for {axis}={value}", ""
-        unset = sorted({f for c in configs for f in fields if _field(c, f) is None})
+        unset = sorted({f for c in configs for f in fields if config_field(c, f) is None})
         if unset:
             return f"{head}; not checked: the cells' configs do not set {', '.join(unset)}", ""
-        have = [", ".join(f"{f}={_field(c, f)}" for f in fields) for c in configs]
+        have = [", ".join(f"{f}={config_field(c, f)}" for f in fields) for c in configs]
         text = have[0] if have[0] == have[1] else f"{have[0]} ({pair.baseline}), {have[1]} ({pair.variant})"
-        if any(normalise_value(_field(c, f)) != normalise_value(v) for c in configs for f, v in fields.items()):
+        if any(normalise_value(config_field(c, f)) != normalise_value(v) for c in configs for f, v in fields.items()):
             return f"{head}; this sweep's cells have {text}", ""
         held.append(f"this sweep does not vary {axis}: its cells hold it ({text})")
     return "", "; ".join(held)

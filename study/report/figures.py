@@ -525,7 +525,7 @@ def not_applied(column: pd.Series) -> pd.Series:
 
 def _empty_cell_text(rows: pd.DataFrame, axis_a: str, axis_b: str, a: str, b: str) -> str:
     """Why a heatmap cell is empty: no trial ran there, or trials ran with one of its axes not applying and their
-    config leaving that axis's fields unset (an unset field is not read as the baseline's value: holding_baseline)."""
+    having run that axis's fields otherwise than the baseline (holding_baseline)."""
     col_a, col_b = rows[f"axis.{axis_a}"], rows[f"axis.{axis_b}"]
     na_a, na_b = not_applied(col_a), not_applied(col_b)
     if ((col_a == a) & na_b).any():
@@ -535,26 +535,20 @@ def _empty_cell_text(rows: pd.DataFrame, axis_a: str, axis_b: str, a: str, b: st
     return "no run"
 
 
-def _config_field(config: dict, dotted: str):
-    for part in dotted.split("."):
-        config = config.get(part) if isinstance(config, dict) else None
-    return config
-
-
 def holding_baseline(results: SweepResults, rows: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
     """`rows` with each of `axes` read as the baseline's value where the axis does not apply to a trial (n/a) but
-    its config sets every field the axis sets as the baseline's does (literally: an unset field is not taken for a
-    default), so that such a trial holds the axis as the baseline does and no other trial seems to."""
+    the trial ran every field the axis sets as the baseline did (`SweepResults.set_alike`: as they ran, an unset
+    field resolved, where the table records it), so that such a trial holds the axis as the baseline does and no
+    other trial seems to."""
     rows = rows.copy()
-    base_value, base_cfg = results.baseline_values(), results.experiment_config(results.baseline_label)
+    base_value, base_label = results.baseline_values(), results.baseline_label
     fields = results.plan.get("axis_fields") or {}
     for axis in axes:
         col, want = f"axis.{axis}", base_value.get(axis)
         if col not in rows or want is None or not fields.get(axis):
             continue
         for label in rows.loc[not_applied(rows[col]), "label"].unique():
-            cfg = results.experiment_config(str(label))
-            if cfg and all(_config_field(cfg, f) == _config_field(base_cfg, f) for f in fields[axis]):
+            if results.set_alike((str(label), base_label), fields[axis]):
                 rows.loc[rows["label"] == label, col] = want
     return rows
 
@@ -706,8 +700,16 @@ class _TaskFigures:
                           f"at {_held_text(held)} (the baseline's) {len(fig._study_series)} of its "
                           f"{len(r.axes[a]) * len(r.axes[b])} cells ran: nothing to compare (cells at other "
                           "settings are never pooled as seeds; a trial an axis does not apply to holds it only where "
-                          "its config sets that axis's fields as the baseline's does: an unset field is not read as "
-                          "its default)")
+                          f"it ran that axis's fields as the baseline did{_unrecorded(r)})")
+
+
+def _unrecorded(results: SweepResults) -> str:
+    """What a table written before it recorded the fields each trial ran (`config.*`) leaves the heatmap: only the
+    planned configs, in which the report cannot read an unset field as its default."""
+    if any(str(c).startswith("config.") for c in results.table.columns):
+        return ""
+    return ("; this results table does not record the fields as they ran, so the planned configs are compared and "
+            "an unset field is not read as its default: rebuild it with `study results`")
 
 
 NO_CURVES = ("no logged curves: neither the trials' run directories nor the results folder's curves.parquet hold "

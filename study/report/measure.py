@@ -175,13 +175,27 @@ def _lm_measurements(src: Source, add) -> None:
     dk = dataset_key(src.dataset)
     tokenizer = str(src.task_cfg.get("tokenizer") or "token")
     unit = TOKEN_UNITS.get(tokenizer.lower(), tokenizer)
+    text, read_as = _text_variant(src.task_cfg, unit)
     for split, prefix in SPLITS:
         if prefix == "test" and src.schema < 2 and dk in SCHEMA1_VALIDATION_AS_TEST:
             continue
-        add(f"{dk}:loss", split, f"metric.{prefix}_loss", f"xent-nats:{unit}",
-            f"cross-entropy in nats per {unit} token")
-        add(f"{dk}:ppl", split, f"metric.{prefix}_ppl", f"ppl:{unit}:nonoverlapping",
-            f"{unit}-level perplexity over non-overlapping windows")
+        add(f"{dk}:loss", split, f"metric.{prefix}_loss", f"xent-nats:{unit}{text}",
+            f"cross-entropy in nats per {unit} token{read_as}")
+        add(f"{dk}:ppl", split, f"metric.{prefix}_ppl", f"ppl:{unit}:nonoverlapping{text}",
+            f"{unit}-level perplexity over non-overlapping windows{read_as}")
+
+
+def _text_variant(task_cfg: dict, unit: str) -> tuple[str, str]:
+    """(variant key suffix, words) for a text read other than as published: lowercased, or (words) with the
+    vocabulary cut to task.vocab_size, rarer words read as <unk>. Both make the prediction easier, so such a loss
+    or perplexity is another metric variant than the published full-text one, never the same."""
+    key, words = "", []
+    if task_cfg.get("lowercase") and unit in ("char", "word"):
+        key, words = key + ":lowercased", [*words, "lowercased text"]
+    if unit == "word" and task_cfg.get("vocab_size") is not None:
+        size = task_cfg["vocab_size"]
+        key, words = key + f":vocab{size}", [*words, f"vocabulary cut to {size} words (rarer ones read as <unk>)"]
+    return key, (f" ({'; '.join(words)})" if words else "")
 
 
 def _translation_measurements(src: Source, add) -> None:

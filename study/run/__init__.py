@@ -19,7 +19,7 @@ from study.config import ExperimentConfig, PipelineConfig
 from study.model.precision import resolve_precision
 from study.run.conflict import RunDirConflict
 
-__all__ = ["RunDirConflict", "load_model", "run_experiment"]
+__all__ = ["RunDirConflict", "load_model", "refuse_unreadable_config", "run_experiment"]
 
 
 def run_experiment(
@@ -37,6 +37,7 @@ def run_experiment(
     records what ran. `stage_root`: where a pipeline's shared stages live (see `study.run.pipeline`)."""
     from study.tasks import family
 
+    refuse_unreadable_config(run_dir, type(cfg), force)
     if isinstance(cfg, PipelineConfig):
         from study.run.pipeline import run_pipeline
 
@@ -51,6 +52,26 @@ def run_experiment(
     from study.run.single import run_single
 
     return run_single(cfg, run_dir, data_dir=data_dir, cache_dir=cache_dir, force=force)
+
+
+def refuse_unreadable_config(run_dir: str | Path, kind: type, force: bool) -> None:
+    """Raise RunDirConflict, naming the file, when `run_dir` holds a config.yaml that is not a config of `kind`
+    (damaged, or written by a version of study whose fields differ): the run there cannot be compared with this one,
+    so it is neither resumed nor replaced without --force, and the problem is the directory's, not the user's config."""
+    import yaml
+
+    from study.config import ConfigError
+    from study.record import RunDir
+
+    path = RunDir(run_dir).config
+    if force or not path.is_file():
+        return
+    try:
+        kind.from_yaml(path.read_text())
+    except (ConfigError, yaml.YAMLError, ValueError, TypeError) as err:
+        why = " ".join(str(err).split())
+        raise RunDirConflict(f"{path} cannot be read as the config of a run ({why[:300]}); choose another "
+                             "directory, or --force to replace the run there") from None
 
 
 def load_model(run_dir: str | Path):

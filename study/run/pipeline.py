@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from study.config import PipelineConfig, content_hash
+from study.config import ConfigError, PipelineConfig, content_hash
 from study.config.pipeline import stage_ref
 from study.io import atomic_write_json, atomic_write_text, exclusive_lock
 from study.model.precision import resolve_precision
@@ -59,7 +59,7 @@ def run_dir_lock(directory: str | Path) -> Iterator[None]:
     directory, so a shared stage and a sweep trial of that stage's config take the same lock. flock: the kernel
     releases it when its holder dies, so a killed worker never leaves it held. Only rank zero locks: the other
     ranks of a DDP run are started by rank zero while it holds the lock, and waiting for it would deadlock them."""
-    from study.run.single import launch_rank
+    from study.run.single import discard_result, launch_rank
 
     if launch_rank() != 0:
         yield
@@ -87,12 +87,16 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     cfg = resolved_precision(cfg)
     if (done := finished_run(run, cfg, force)) is not None:
         return done
+    refuse_unrunnable_stages(cfg)
+    refuse_missing_data(cfg, data_dir)
     started = time.time()
     # resolved: a later stage's task.init_from (its config.yaml) names the run it starts from unambiguously, however
     # the results folder was spelled (relative, another cwd, a symlink); a resumed stage finds the same value there
     stage_root = (Path(stage_root) if stage_root is not None else run.path / "stages").resolve()
     prepare_training_process(cfg.first.train.accelerator)  # as its stages will: env.json records what they train with
     writes = launch_rank() == 0  # under DDP every rank runs the stages (each stage's ranks wait for its record)
+    if force:  # after the stage and data checks: a bad input never costs the old record (see discard_result)
+        discard_result(run)
     if writes:
         atomic_write_text(run.config, cfg.to_yaml())
         atomic_write_json(run.env, snapshot(cfg.first.train.precision, cfg.first.train.accelerator))
@@ -112,6 +116,34 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     if writes:
         run.write(record)
     return record
+
+
+def refuse_unrunnable_stages(cfg: PipelineConfig) -> None:
+    """Resolve every stage as it will run, each later stage against the config of the stage it starts from, and
+    raise the first problem naming its stage. A later stage is otherwise resolved only once the stages before it have
+    trained, so a combination that cannot run (a fine-tuning seq_len beyond the pretrained positions, a start from a
+    stage that leaves no single model to start from) would fail after hours of pretraining rather than before it."""
+    from study.tasks import family
+
+    resolved: dict[str, Any] = {}
+    for name, stage in cfg.stages.items():
+        ref = stage_ref(stage.task.init_from)
+        try:
+            resolved[name] = family(stage.task.name).resolve(stage, pretrained=resolved[ref] if ref else None)
+        except ConfigError as err:
+            raise ConfigError("PipelineConfig", [f"stages.{name}.{p}" for p in err.problems]) from None
+        except ValueError as err:
+            raise ValueError(f"stages.{name}: {err}") from None
+
+
+def refuse_missing_data(cfg: PipelineConfig, data_dir: str | Path | None) -> None:
+    """List every later stage's parts (a GLUE suite: its tasks), which reads which of its data is there: a stage
+    whose data is missing raises its DatasetUnavailable now, not after the stages before it have trained. (The first
+    stage's data problems surface before it trains anyway.)"""
+    from study.tasks import family
+
+    for stage in list(cfg.stages.values())[1:]:
+        family(stage.task.name).sub_runs(stage, data_dir)
 
 
 def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, Any]]], wall: float) -> dict:

@@ -6,11 +6,13 @@ checkpoint; a finished run is not repeated, and a directory holding another conf
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import datetime
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,16 @@ def readable_checkpoint(run: RunDir) -> Path | None:
                         str(err).splitlines()[0] if str(err) else type(err).__name__, aside.name)
         return None
     return path
+
+
+def discard_result(run: RunDir) -> None:
+    """What a forced rerun replaces, removed before its config.yaml is written: the checkpoint (it may be of another
+    config), and the old result (metrics.json, model.pt). Left in place, a forced rerun killed before its end would
+    leave the old record beside the new config.yaml, and the next run of that config would hand it back, finished,
+    as its own result."""
+    if launch_rank() == 0:
+        for path in (run.metrics, run.weights, run.last_checkpoint):
+            path.unlink(missing_ok=True)
 
 
 def launch_rank() -> int:
@@ -170,6 +182,22 @@ def _trainer(run: RunDir, cfg: ExperimentConfig, loggers: list):
     )
 
 
+def _fit(trainer, module, dm, resume_from: Path | None) -> None:
+    """trainer.fit, with Ctrl-C raised as the KeyboardInterrupt it was. Lightning answers Ctrl-C by shutting down,
+    ignoring SIGINT from then on and calling sys.exit(1): a caller could not tell an interrupt from an error, and a
+    process that goes on (a library caller, a test) could no longer be interrupted."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resume_from else None)
+    except SystemExit as exit_:
+        if not isinstance(exit_.__context__, KeyboardInterrupt):  # another exit (a SIGTERM handler's) stays one
+            raise
+        if handler is not None:
+            with contextlib.suppress(ValueError):  # (only the main thread may set it; Lightning did there)
+                signal.signal(signal.SIGINT, handler)
+        raise KeyboardInterrupt from None
+
+
 def _record(cfg: ExperimentConfig, trainer, module, final: dict[str, Any], timing: dict[str, float],
             declared: dict[str, dict] | None) -> dict:
     """The run's metrics.json record (study.record's schema)."""
@@ -209,8 +237,8 @@ def run_single(
     started = time.time()
     dm, cfg = _prepare_data(cfg, data_dir, cache_dir)
     finished_run(run, cfg, force, data_decided=())  # a directory holding another config's (unfinished) run
-    if force:  # a rerun starts from scratch: the checkpoint there may be of another config
-        run.last_checkpoint.unlink(missing_ok=True)
+    if force:
+        discard_result(run)
     if (resume_from := readable_checkpoint(run)) is not None:
         refuse_other_data(run, dm.fingerprint)  # before data.json is rewritten with what was read now
     prepare_training_process(cfg.train.accelerator)  # before env.json records it
@@ -221,7 +249,7 @@ def run_single(
     reset_peak_memory(cfg.train.accelerator)  # this run's peak, not an earlier part's or stage's in this process
     trainer = _trainer(run, cfg, _loggers(run, cfg, resume_from))
     fit_started = time.time()
-    trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resume_from else None)
+    _fit(trainer, module, dm, resume_from)
     fit_seconds = time.time() - fit_started
 
     final: dict[str, Any] = {}

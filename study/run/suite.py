@@ -20,7 +20,7 @@ from study.io import atomic_write_json, atomic_write_text, read_json_or_none
 from study.model.accounting import parameter_count
 from study.record import COMPLETED, DIVERGED, RunDir, make_record
 from study.run.conflict import finished_run
-from study.run.single import launch_rank, run_single
+from study.run.single import discard_result, launch_rank, run_single
 from study.tasks import family
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
     parts = task.sub_runs(cfg, data_dir)  # data problems (a missing task) surface here, before any training
     prepare_training_process(cfg.train.accelerator)  # as its parts will: env.json records what they train with
     writes = launch_rank() == 0  # under DDP every rank runs the parts (each part's ranks wait for its record)
+    if force:  # after the data checks: a bad input never costs the old record (discard_result says why)
+        discard_result(run)
     if writes:
         atomic_write_text(run.config, cfg.to_yaml())
         atomic_write_json(run.env, snapshot(cfg.train.precision, cfg.train.accelerator))

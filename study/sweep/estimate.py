@@ -127,18 +127,27 @@ def _seconds(cfg: ExperimentConfig | PipelineConfig, flops: float, rate: float) 
 
 def estimate(plan: "Plan", rate_flops: float | None = None, workers: int = 1, threads: int = 1) -> dict[str, Any]:
     """Training FLOPs of the whole plan (from the accounting module) and a rough wall-clock time:
-    each run's FLOPs at the matmul rate one trial's threads reach, times an assumed utilisation. A pipeline's earlier
+    each run's FLOPs at the matmul rate one trial's threads reach, times an assumed utilisation (no time, and
+    `not_timed` says why, for trials on an accelerator without `rate_flops`). A pipeline's earlier
     stages are counted once per run directory they train in, as they run (`_runs`)."""
-    rate = rate_flops if rate_flops is not None else matmul_rate_flops(threads)
+    from study.model.precision import trains_on_cpu
+
+    runs = _runs(plan)
+    # this machine's CPU rate says nothing about a GPU's (orders of magnitude apart): without the rate of the
+    # machine that will run them (--peak-flops), trials that train on an accelerator get FLOPs and no time
+    elsewhere = sorted({run.train.accelerator for run in runs if not trains_on_cpu(run.train.accelerator)})
+    rate = rate_flops if rate_flops is not None or elsewhere else matmul_rate_flops(threads)
     flops = seconds = 0.0
-    for run in _runs(plan):
+    for run in runs:
         f = training_flops(run)
-        flops, seconds = flops + f, seconds + _seconds(run, f, rate)
+        flops, seconds = flops + f, seconds + (_seconds(run, f, rate) if rate is not None else 0.0)
     bounded = [p for p in plan.points if length_basis(p.config) == "upper bound"]
     tasks = [t for p in bounded for t in _task_names(p.config) if t not in SEQ_LEN_IS_EXACT]
     return {"train_flops": flops, "matmul_flops_per_s": rate,
             "assumed_utilisation": ASSUMED_UTILISATION,
-            "estimated_wall_s": seconds / max(1, workers), "workers": workers,
+            "estimated_wall_s": seconds / max(1, workers) if rate is not None else None, "workers": workers,
+            "not_timed": (f"the trials train on train.accelerator={'/'.join(elsewhere)}, and this machine's CPU "
+                          "matmul rate says nothing about it" if rate is None else None),
             "length_basis": "upper bound" if bounded else "exact",
             "upper_bound_points": [p.label for p in bounded], "upper_bound_tasks": list(dict.fromkeys(tasks))}
 

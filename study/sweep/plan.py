@@ -20,7 +20,7 @@ from study.config import ConfigError, ExperimentConfig, PipelineConfig, content_
 from study.config.experiment import set_fields
 from study.config.pipeline import STAGE_REF
 from study.io import load_yaml
-from study.config.sweep import NOT_APPLICABLE, Axis, SweepConfig, route
+from study.config.sweep import NOT_APPLICABLE, Axis, SweepConfig, label_of, route
 from study.sweep.estimate import basis_sentence
 
 
@@ -160,49 +160,101 @@ def build_config(spec: SweepConfig, bases: dict[str | None, dict[str, Any]],
     return PipelineConfig.from_dict({"name": spec.name, "stages": stages})
 
 
+def _applies(axis: Axis, labels: dict[str, str]) -> bool:
+    return all(labels.get(other) in allowed for other, allowed in axis.when.items())
+
+
+def _by_condition(conditional: list[Axis]) -> list[Axis]:
+    """The conditional axes, each after the axes its condition names: whether an axis applies is read from the
+    labels filled before it, so one filled before the axis it refines would never apply (a cycle, which the spec
+    refuses, stays in declared order)."""
+    names = {a.name for a in conditional}
+    ordered: list[Axis] = []
+    while len(ordered) < len(conditional):
+        placed = {a.name for a in ordered}
+        left = [a for a in conditional if a.name not in placed]
+        ordered.append(next((a for a in left if set(a.when) & names <= placed), left[0]))
+    return ordered
+
+
+def _fill(labels: dict[str, str], conditional: list[Axis], expand: bool) -> list[dict[str, str]]:
+    """Fill the conditional axes (in condition order) where they apply: every value for a grid; else the value
+    already chosen (one factor at a time, moved onto a condition) or the baseline. Elsewhere n/a."""
+    out = [dict(labels)]
+    for axis in conditional:
+        nxt = []
+        for lab in out:
+            if not _applies(axis, lab):
+                nxt.append({**lab, axis.name: NOT_APPLICABLE})
+            else:
+                nxt += [{**lab, axis.name: v} for v in (axis.labels if expand else [lab.get(axis.name, axis.baseline)])]
+        out = nxt
+    return out
+
+
+def _onto_condition(axis: Axis, labels: dict[str, str], by_name: dict[str, Axis],
+                    seen: tuple[str, ...] = ()) -> dict[str, str]:
+    """`labels` moved onto `axis`'s condition: each axis it names to its first allowed value, an axis that is
+    itself conditional moved onto its own condition first (a chain: `lr` where `pattern: LG`, where `span: local`)."""
+    out = dict(labels)
+    for other, allowed in axis.when.items():
+        parent = by_name[other]
+        if parent.when and other not in seen:
+            out = _onto_condition(parent, out, by_name, (*seen, axis.name))
+        out[other] = allowed[0]
+    return out
+
+
 def _combos(spec: SweepConfig, axes: list[Axis]) -> list[tuple[str, str, dict[str, str]]]:
-    """(label, varied, axis -> value label) for every point of the design, before validation."""
+    """(label, varied, axis -> value label) for every point of the design, before validation; a conditional axis
+    takes a value only where its condition holds (`_unreached` names the values that hold nowhere)."""
     plain = [a for a in axes if not a.when]
-    conditional = [a for a in axes if a.when]
+    conditional = _by_condition([a for a in axes if a.when])
+    order = [a.name for a in plain] + [a.name for a in axes if a.when]  # labels read plain axes first, as declared
 
-    def applies(axis: Axis, labels: dict[str, str]) -> bool:
-        return all(labels.get(other) in allowed for other, allowed in axis.when.items())
-
-    def with_conditionals(labels: dict[str, str], expand: bool) -> list[dict[str, str]]:
-        """Fill the conditional axes: their baseline (or every value, for a grid) where they apply."""
-        out = [dict(labels)]
-        for axis in conditional:
-            nxt = []
-            for lab in out:
-                if not applies(axis, lab):
-                    nxt.append({**lab, axis.name: NOT_APPLICABLE})
-                else:
-                    nxt += [{**lab, axis.name: v} for v in (axis.labels if expand else [axis.baseline])]
-            out = nxt
-        return out
+    def fill(labels: dict[str, str], expand: bool) -> list[dict[str, str]]:
+        return [{name: lab[name] for name in order} for lab in _fill(labels, conditional, expand)]
 
     if spec.design == "grid":
         combos = []
         for values in itertools.product(*[a.labels for a in plain]):
-            for labels in with_conditionals(dict(zip([a.name for a in plain], values)), expand=True):
+            for labels in fill(dict(zip([a.name for a in plain], values)), expand=True):
                 name = ",".join(f"{k}={v}" for k, v in labels.items() if v != NOT_APPLICABLE)
                 combos.append((name, "grid", labels))
         return combos
 
     # one factor at a time (Narang et al. 2021): the baseline, then each axis's other values
     baseline = {a.name: a.baseline for a in plain}
-    combos = [("baseline", "baseline", with_conditionals(baseline, expand=False)[0])]
+    combos = [("baseline", "baseline", fill(baseline, expand=False)[0])]
     for axis in plain:
         for value in axis.labels[1:]:
-            combos.append((f"{axis.name}={value}", axis.name,
-                           with_conditionals({**baseline, axis.name: value}, expand=False)[0]))
+            combos.append((f"{axis.name}={value}", axis.name, fill({**baseline, axis.name: value}, expand=False)[0]))
+    by_name = {a.name: a for a in axes}
     for axis in conditional:
         # vary it where it applies: the baseline moved onto its condition (the first allowed value)
-        on = {**baseline, **{other: allowed[0] for other, allowed in axis.when.items()}}
+        on = fill(_onto_condition(axis, baseline, by_name), expand=False)[0]
+        if on[axis.name] == NOT_APPLICABLE:  # a condition no point meets: its values run nowhere (`_unreached`)
+            continue
         for value in axis.labels[1:]:
-            labels = {**with_conditionals(on, expand=False)[0], axis.name: value}
-            combos.append((f"{axis.name}={value}", axis.name, labels))
+            combos.append((f"{axis.name}={value}", axis.name, {**on, axis.name: value}))
     return combos
+
+
+def _unreached(spec: SweepConfig, axes: list[Axis], combos: list[tuple[str, str, dict[str, str]]]) -> list[str]:
+    """Conditional axis values that no point of the design takes (their condition holds nowhere): the axis would be
+    listed as swept, and its values never run. One factor at a time, a conditional axis's baseline is the value it
+    holds where it applies, not a point of its own."""
+    taken = {(name, value) for _, _, labels in combos for name, value in labels.items()}
+    problems = []
+    for axis in (a for a in axes if a.when):
+        needed = axis.labels if spec.design == "grid" or not any((axis.name, v) in taken for v in axis.labels) \
+            else axis.labels[1:]
+        missing = [v for v in needed if (axis.name, v) not in taken]
+        if missing:
+            when = ", ".join(f"{k}: {list(v)}" for k, v in axis.when.items())
+            problems.append(f"axes.{axis.name}: {', '.join(missing)} would run at no point of the {spec.design} "
+                            f"design: its condition ({when}) holds at no point; make it one the other axes meet")
+    return problems
 
 
 def _shared_fields(by_axis: dict[str, dict[str, Any]], by_name: dict[str, Axis], stages: list[str]) -> list[str]:
@@ -241,8 +293,11 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
     plan = Plan(spec=spec, axes=axes, points=[])
     seen: dict[str, str] = {}
     tune_refused: dict[str, list[str]] = {}  # a tune range the config refuses: said once, naming its points
-    for label, varied, labels in _combos(spec, axes):
-        if any(all(labels.get(k) == str(v) for k, v in rule.items()) for rule in spec.exclude):
+    combos = _combos(spec, axes)
+    plan.refused += _unreached(spec, axes, combos)
+    for label, varied, labels in combos:
+        # a rule's values compared as labels: `{tie: false}` is the label 'false', never str(False)
+        if any(all(labels.get(k) == label_of(v) for k, v in rule.items()) for rule in spec.exclude):
             plan.excluded.append(label)
             continue
         by_axis = {name: by_name[name].values[value] for name, value in labels.items() if value != NOT_APPLICABLE}
@@ -274,6 +329,9 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
         cfg = cfg.replace(name=f"point-{digest}")  # not the sweep: two sweeps share the run
         plan.points.append(Point(point=digest, label=label, varied=varied, axes=labels, config=cfg))
     plan.refused += [f"{problem} (at {', '.join(names)})" for problem, names in tune_refused.items()]
+    if spec.design == "ofat" and "baseline" in plan.excluded and plan.points:  # (none left: `check` says so)
+        plan.refused.append("exclude: a rule removes the baseline, which every one-factor-at-a-time point is compared "
+                            "with; exclude the other points it names, or make the design a grid")
     if plan.points:
         _objective(plan)
     return plan
@@ -313,12 +371,37 @@ def _tune_stage_problem(spec: SweepConfig, metric: str) -> str | None:
             f"rank by a metric of the {tuned} stage")
 
 
+def _objective_at_every_point(plan: Plan) -> tuple[dict[str, Any], list[str]]:
+    """The objective as the first point's task declares it, and what is wrong with it at any point: a metric that
+    some points never write (`valid_ppl_at_2x` where an axis drops 2 from task.eval_lengths) would leave them
+    unranked, and one declared otherwise at some points (another task) would rank them on another scale."""
+    from study.sweep import reach
+
+    objective: dict[str, Any] = {}
+    problems: dict[str, list[str]] = {}
+    declared: dict[tuple, list[str]] = {}
+    for p in plan.points:
+        resolved, problem = reach.objective(plan.spec, p.config)
+        objective = objective or resolved
+        if problem is not None:
+            problems.setdefault(problem, []).append(p.label)
+        else:
+            declared.setdefault(tuple(sorted(resolved.items())), []).append(p.label)
+    out = [problem if len(labels) == len(plan.points) else f"{problem} (at {', '.join(labels)})"
+           for problem, labels in problems.items()]
+    if len(declared) > 1:
+        out.append(f"objective: {objective.get('metric')} is declared differently at different points: " + "; ".join(
+            f"{d['direction']} ({d.get('scale')}, task {d['task']!r}) at {', '.join(labels)}"
+            for d, labels in ((dict(k), v) for k, v in declared.items())))
+    return objective, out
+
+
 def _objective(plan: Plan) -> None:
     from study.sweep import reach
 
-    plan.objective, problem = reach.objective(plan.spec, plan.points[0].config)
-    if problem and problem not in plan.refused:
-        plan.refused.append(problem)
+    plan.objective, problems = _objective_at_every_point(plan)
+    plan.refused += [problem for problem in problems if problem not in plan.refused]
+    problem = problems[0] if problems else None
     tune = plan.spec.tune_settings if plan.spec.tune else {}
     if tune and tune["pruner"] != "none" and plan.objective.get("direction") != "minimize":
         # the pruner compares the validation loss the trials log as they train: a loss, minimised
@@ -372,7 +455,11 @@ def describe(plan: Plan, cost: dict[str, Any] | None = None) -> str:
         lines.append(f"  excluded: {label}")
     for label, same in plan.duplicates:
         lines.append(f"  skipped {label}: the same config as {same}")
-    if cost:
+    if cost and cost["estimated_wall_s"] is None:
+        lines.append(f"  cost: {si(cost['train_flops'])}FLOP of training; time not estimated: {cost['not_timed']} "
+                     "(give --peak-flops, the matmul rate of the machine that will run them)")
+        lines.append("  FLOPs: " + basis_sentence(cost))
+    elif cost:
         hours = cost["estimated_wall_s"] / 3600
         lines.append(f"  cost: {si(cost['train_flops'])}FLOP of training; at {si(cost['matmul_flops_per_s'])}FLOP/s "
                      f"matmul x {cost['assumed_utilisation']:.0%} utilisation (an assumption) and "

@@ -320,15 +320,20 @@ class TrialQueue:
 
     def reap_lost(self) -> int:
         """Fail and re-queue RUNNING trials whose worker is gone; returns how many this call won."""
-        won = 0
+        return len(self.reap())
+
+    def reap(self) -> list[tuple[optuna.trial.FrozenTrial, bool]]:
+        """Fail RUNNING trials whose worker is gone and re-queue those with retries left; returns the trials this
+        call won, each with whether it was re-queued (one that was not has failed for good: the caller settles
+        what waits on it, such as a tuned point's seeds)."""
+        won = []
         for t, reason in self.lost_running():
             try:
                 if not self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
                     continue
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue  # another worker got there first; it re-queues
-            won += 1
-            self._requeue(t, f"lost: {reason}")
+            won.append((t, self._requeue(t, f"lost: {reason}")))
         return won
 
     def claim(self, keys: set[str] | None = None) -> Claimed | None:
@@ -338,25 +343,34 @@ class TrialQueue:
             try:
                 if not self.storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
                     continue
+                claimed = self._take(t, keys)
             except optuna.exceptions.UpdateFinishedTrialError:
+                # taken (or ended) by another process between two of these updates: whoever ended it re-queued it
+                log.info("trial %s was ended by another process as it was claimed; moving on", t.number)
                 continue
-            spec = TrialSpec.from_attrs(t.user_attrs)
-            claimed = Claimed(trial_id=t._trial_id, number=t.number, spec=spec, attempt=int(t.user_attrs.get("attempt", 1)),
-                              supersedes=tuple(t.user_attrs.get("supersedes", ())))
-            self.storage.set_trial_user_attr(t._trial_id, "worker", self.worker)
-            self.beat(claimed)
-            if keys is not None and spec.key not in keys:
-                self.storage.set_trial_user_attr(t._trial_id, "dropped", "not in the current plan")
-                self.storage.set_trial_state_values(t._trial_id, state=TrialState.PRUNED)
-                continue
-            duplicate = self._duplicate_of(claimed)
-            if duplicate is not None:
-                self.storage.set_trial_user_attr(t._trial_id, "duplicate_of", duplicate)
-                self.storage.set_trial_state_values(t._trial_id, state=TrialState.PRUNED)
-                continue
-            self._set_params(t._trial_id, spec)
-            return claimed
+            if claimed is not None:
+                return claimed
         return None
+
+    def _take(self, t: optuna.trial.FrozenTrial, keys: set[str] | None) -> Claimed | None:
+        """Make a trial this worker just moved to RUNNING its own; None (and the trial PRUNED) when it is not to
+        run: its key left the plan, or another trial of its key is done or running."""
+        spec = TrialSpec.from_attrs(t.user_attrs)
+        claimed = Claimed(trial_id=t._trial_id, number=t.number, spec=spec, attempt=int(t.user_attrs.get("attempt", 1)),
+                          supersedes=tuple(t.user_attrs.get("supersedes", ())))
+        self.storage.set_trial_user_attr(t._trial_id, "worker", self.worker)
+        self.beat(claimed)
+        if keys is not None and spec.key not in keys:
+            self.storage.set_trial_user_attr(t._trial_id, "dropped", "not in the current plan")
+            self.storage.set_trial_state_values(t._trial_id, state=TrialState.PRUNED)
+            return None
+        duplicate = self._duplicate_of(claimed)
+        if duplicate is not None:
+            self.storage.set_trial_user_attr(t._trial_id, "duplicate_of", duplicate)
+            self.storage.set_trial_state_values(t._trial_id, state=TrialState.PRUNED)
+            return None
+        self._set_params(t._trial_id, spec)
+        return claimed
 
     def _set_params(self, trial_id: int, spec: TrialSpec) -> None:
         """The trial's axis values as Optuna params. Optuna keeps one distribution per param name for a whole
@@ -390,20 +404,28 @@ class TrialQueue:
 
     # -- finishing ------------------------------------------------------------------------
     def finish(self, claimed: Claimed, status: str, value: float | None, attrs: dict[str, Any]) -> None:
-        """Record a run that ended with a result (completed, or diverged: a result, not a failure)."""
+        """Record a run that ended with a result (completed, or diverged: a result, not a failure). Raises
+        UpdateFinishedTrialError when another process ended the trial first (see `_end`)."""
         for k, v in {**attrs, "status": status}.items():
             self.storage.set_trial_user_attr(claimed.trial_id, k, v)
-        self.study.tell(claimed.number, self._storable(value))
+        self._end(claimed, TrialState.COMPLETE, self._storable(value))
 
     def fail(self, claimed: Claimed, error: str, retry: bool = True) -> bool:
         """Record a failed attempt and re-queue it if retries are left (and `retry`: a failure that would repeat,
-        such as a completed run without the objective, is not retried); returns whether it was."""
+        such as a completed run without the objective, is not retried); returns whether it was. Raises
+        UpdateFinishedTrialError when another process ended the trial first (see `_end`)."""
         self.storage.set_trial_user_attr(claimed.trial_id, "error", error[-2000:])
         self.storage.set_trial_user_attr(claimed.trial_id, "status", "failed")
-        self.study.tell(claimed.number, state=TrialState.FAIL)
+        self._end(claimed, TrialState.FAIL)
         if not retry:
             return False
         return self._requeue(self.storage.get_trial(claimed.trial_id), error.strip().splitlines()[-1] if error.strip() else "error")
+
+    def _end(self, claimed: Claimed, state: TrialState, value: float | None = None) -> None:
+        """The storage's atomic RUNNING -> `state` update. Not `study.tell`: when another worker reaped the trial a
+        moment earlier, tell raises a ValueError ('Cannot tell a FAIL trial') that cannot be told from a wrong
+        value, while the storage raises UpdateFinishedTrialError, the one signal every caller handles."""
+        self.storage.set_trial_state_values(claimed.trial_id, state=state, values=None if value is None else [value])
 
     def release(self, claimed: Claimed, reason: str) -> None:
         """Give a claimed trial back (this worker is stopping): fail it and re-queue it."""

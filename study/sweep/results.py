@@ -2,8 +2,9 @@
 
 Columns: identity (sweep, point, seed, trial_key, label, varied, is_baseline, axis.<name>,
 ran_as_planned, task, dataset), outcome (status, attempts, error, steps, diverged_at_step, train_tokens,
-stopped_by), `metric.<name>` (nested metrics flattened with '.'), `cost.<name>`, and
-provenance (run_dir, env.*, data.fingerprint). Trials that never ran are rows with status
+stopped_by), `metric.<name>` (nested metrics flattened with '.'), `cost.<name>`, `config.<field>` (every field an
+axis sets, as the trial ran it, unset fields resolved: `resolved_fields`), and provenance (run_dir, env.*,
+data.fingerprint). Trials that never ran are rows with status
 'pending', so a partial sweep's table says what is missing.
 
 Beside it, `curves.parquet` holds every trial's training curves (each run's logs/metrics.csv, with `trial_key` and
@@ -48,7 +49,8 @@ def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tup
 
 def _resolved_value(run: RunDir, record: dict[str, Any] | None, path: str, stages: list[str]) -> Any:
     """The value the trial ran at axis path `path`, from the resolved config.yaml of the run directory that ran
-    it (a pipeline: of the stage the path belongs to); None when it has not run."""
+    it (a pipeline: of the stage the path belongs to); _MISSING when there is no resolved config to read (a null is a
+    value that ran: `window: null` is global attention, never 'not run')."""
     from study.config.sweep import route
 
     stage, field = route(path, stages)
@@ -57,7 +59,7 @@ def _resolved_value(run: RunDir, record: dict[str, Any] | None, path: str, stage
         directory = Path(stage_run_dirs(record, run.path).get(stage, ""))
     cfg = RunDir(directory).config if str(directory) else None
     if cfg is None or not cfg.is_file():
-        return None
+        return _MISSING
     return _field_of(load_yaml(cfg.read_text()) or {}, field)
 
 
@@ -65,9 +67,29 @@ _MISSING = object()
 
 
 def _field_of(config: dict[str, Any], field: str) -> Any:
-    """`section.name` of an experiment's config as a dict (_MISSING where it has no such field)."""
+    """`section.name` of an experiment's config as a dict, as it runs: a field left unset (null, or absent from a
+    config written before the field existed) is read as the value the config resolves it to, so that a run with
+    `n_kv_heads: null` and one that spells out n_heads are the same model (MHA). _MISSING where it has no such field."""
     section, _, name = field.partition(".")
-    return (config.get(section) or {}).get(name, _MISSING)
+    value = (config.get(section) or {}).get(name, _MISSING)
+    return value if value is not None and value is not _MISSING else _resolved_default(config, section, name, value)
+
+
+def _resolved_default(config: dict[str, Any], section: str, name: str, unset: Any) -> Any:
+    """The value the validated config gives an unset field: its default, or its `resolved_<name>` property where
+    the config derives it from other fields (n_kv_heads -> n_heads, n_encoder_layers -> n_layers, d_ff from d_model
+    and the activation); `unset` as it stands where the config does not validate (nothing to resolve it against)."""
+    from study.config import ConfigError, ExperimentConfig
+
+    try:
+        part = getattr(ExperimentConfig.from_dict(config), section, None)
+    except (ConfigError, ValueError, TypeError):
+        return unset
+    value = getattr(part, name, unset) if part is not None else unset
+    for derived in (f"resolved_{name}", f"resolved_{name.removeprefix('n_')}"):
+        if value is None and isinstance(getattr(type(part), derived, None), property):
+            return getattr(part, derived)
+    return value
 
 
 def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
@@ -91,7 +113,7 @@ def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
         later = {route(f, stages) for other in applied[i + 1:] for f in other.values[point["axes"][other.name]]}
         own = [f for f in axis.values[point["axes"][axis.name]] if route(f, stages) not in later]
         ran = {f: _resolved_value(run, record, f, stages) for f in own}
-        if not own or all(v is None for v in ran.values()):
+        if not own or all(v is _MISSING for v in ran.values()):
             continue  # nothing of its own to read (or no resolved config: a stand-in run): the plan's label stands
         out[axis.name] = next((label for label, fields in _planned(point, axis, later, stages)
                                if all(_ran(ran, run, record, f, stages) == v for f, v in fields.items())), "?")
@@ -156,6 +178,7 @@ def trial_row(plan: dict[str, Any], point: dict[str, Any], seed: int, run_dir: P
     if mismatched:  # the plan refuses such axes; a row that slips through says what ran, never what was asked
         row["label"] = f"{point['label']} (ran: " + ", ".join(f"{k}={v}" for k, v in mismatched.items()) + ")"
     row.update(_task_columns(point["config"]))
+    row.update(resolved_fields(plan, point, run, record if record and record.get("status") in FINISHED else None))
     status, error = _status(record, read_json_or_none(run.trial))
     row.update(status=status, attempts=len((read_json_or_none(run.trial) or {}).get("attempts", [])), error=error)
     flat = flatten_record(record or {})
@@ -165,6 +188,26 @@ def trial_row(plan: dict[str, Any], point: dict[str, Any], seed: int, run_dir: P
     row["run_dir"] = str(run_dir)
     row.update(_provenance(run))
     return row
+
+
+def resolved_fields(plan: dict[str, Any], point: dict[str, Any], run: RunDir | None,
+                    record: dict[str, Any] | None) -> dict[str, str]:
+    """`config.<field>` for every field an axis of the sweep sets (plan.json's axis_fields), as text (`label_of`):
+    the value the trial ran, read from its resolved config.yaml with unset fields resolved (`_field_of`), or, before
+    it has run, the value its planned config resolves to. The report compares cells on these (does a cell an axis
+    does not apply to hold that axis as the baseline does?), since it reads result files and never the config's
+    defaults."""
+    from study.config.sweep import label_of
+
+    stages = [str(s) for s in plan.get("stages") or []]
+    fields = dict.fromkeys(f for fs in (plan.get("axis_fields") or {}).values() for f in fs)
+    out = {}
+    for f in fields:
+        value = _resolved_value(run, record, f, stages) if record is not None and run is not None else _MISSING
+        if value is _MISSING:
+            value = _config_value(point["config"], f, stages)
+        out[f"config.{f}"] = None if value is _MISSING else label_of(value)
+    return out
 
 
 def _task_columns(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -213,16 +256,26 @@ def build_table(sweep_dir: str | Path):
             else:
                 row = trial_row(plan, p, s, layout.run_dir(p["point"], s))
             if not Path(row["run_dir"]).is_dir() and row["trial_key"] in previous:
-                row = previous[row["trial_key"]]  # its run directory is not here: keep what the table recorded
+                row = _kept(previous[row["trial_key"]], plan, p)  # its run directory is not here: keep the row
             rows.append(row)
     df = pd.DataFrame(rows)
     for column in df.columns:  # a column mixing numbers and text (a task's own marker) is kept as text
         kinds = {type(v) for v in df[column].dropna()}
         if str in kinds and len(kinds) > 1:
             df[column] = df[column].map(lambda v: None if v is None or v != v else str(v))
-    first = [c for c in df.columns if not c.startswith(("metric.", "cost.", "env.", "data."))]
+    first = [c for c in df.columns if not c.startswith(("metric.", "cost.", "config.", "env.", "data."))]
     rest = sorted(c for c in df.columns if c not in first)
     return df[first + rest]
+
+
+def _kept(row: dict[str, Any], plan: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
+    """A row kept from the table written before, with the `config.*` columns a table of older code lacks filled from
+    the point's planned config where the trial ran as planned (its axis fields are then the plan's); left empty
+    where it did not (the report then does not take them for the plan's)."""
+    if str(row.get("ran_as_planned")).strip().lower() == "false":
+        return row
+    filled = resolved_fields(plan, point, None, None)
+    return row | {k: v for k, v in filled.items() if row.get(k) is None or row.get(k) != row.get(k)}
 
 
 def _read_previous(stem: Path):

@@ -24,7 +24,7 @@ from study.io import atomic_write_json, atomic_write_text, read_json
 from study.sweep import plan as planning
 from study.sweep.estimate import default_threads, estimate
 from study.sweep.storage import DEFAULT_RETRY_S, default_url, open_storage, redact, validate_url
-from study.sweep.devices import assign, gpus_per_trial, visible_gpus
+from study.sweep.devices import assign, claim, gpus_per_trial, visible_gpus
 from study.sweep.trial import DEFAULT_RUNNER
 from study.sweep.layout import (SweepLayout, all_keys, check_storage, finished_results, read_tuned, record_storage,
                                 recorded_storage, trial_specs)
@@ -106,22 +106,8 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     if counts["done"] == len(keys):
         say(f"sweep {plan.spec.name!r} is complete: nothing to run")
     else:
-        wopts = WorkerOptions(data_dir=opts.data_dir, cache_dir=opts.cache_dir, threads=threads,
-                              runner=opts.runner, poll_s=opts.poll_s, workers=workers,
-                              storage_retry_s=opts.storage_retry_s, launcher=opts.launcher)
-        gpus = assign(workers, gpus_per_trial(plan_data), visible_gpus())  # (checked in prepare)
         say(f"running with {workers} worker(s) x {threads} thread(s)")
-        try:
-            if workers == 1:
-                run_worker(queue, layout, replace(wopts, gpus=gpus[0]))
-            else:
-                run_worker_processes(layout, url, workers, wopts, gpus)
-        except KeyboardInterrupt:
-            counts = queue.counts(keys)
-            _record_invocation(layout, started, workers, threads, counts, interrupted=True)
-            raise SweepInterrupted(f"interrupted: {counts['done']}/{len(keys)} trials done; the running ones were "
-                                   "stopped and given back to the queue. Run the same command again to resume.") \
-                from None
+        _run_workers(queue, layout, url, plan_data, opts, workers, threads, started)
     final = queue.counts(keys)
     _record_invocation(layout, started, workers, threads, final)  # first: the record outlives a table error
     df = write_table(layout.sweep_dir)
@@ -129,6 +115,29 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     say(f"{final['done']}/{len(keys)} trials done; {final['failed']} failed"
         + (f"; see {layout.sweep_dir / 'results.csv'}" if len(df) else ""))
     return final
+
+
+def _run_workers(queue, layout: SweepLayout, url: str, plan_data: dict[str, Any], opts: SweepOptions, workers: int,
+                 threads: int, started: float) -> None:
+    """Run the workers to the end, each on its own GPUs, held host-wide while they run (`devices.claim`: a second
+    `study sweep` on this host draws other GPUs); Ctrl-C becomes SweepInterrupted once the invocation is recorded."""
+    wopts = WorkerOptions(data_dir=opts.data_dir, cache_dir=opts.cache_dir, threads=threads, runner=opts.runner,
+                          poll_s=opts.poll_s, workers=workers, storage_retry_s=opts.storage_retry_s,
+                          launcher=opts.launcher)
+    gpus, claims = claim(workers, gpus_per_trial(plan_data), visible_gpus())  # (their number checked in prepare)
+    try:
+        if workers == 1:
+            run_worker(queue, layout, replace(wopts, gpus=gpus[0]))
+        else:
+            run_worker_processes(layout, url, workers, wopts, gpus)
+    except KeyboardInterrupt:
+        keys = all_keys(plan_data)
+        counts = queue.counts(keys)
+        _record_invocation(layout, started, workers, threads, counts, interrupted=True)
+        raise SweepInterrupted(f"interrupted: {counts['done']}/{len(keys)} trials done; the running ones were "
+                               "stopped and given back to the queue. Run the same command again to resume.") from None
+    finally:
+        claims.release()
 
 
 class SweepInterrupted(Exception):
@@ -167,8 +176,12 @@ def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: Work
                                       preexec_fn=die_with_parent))
         time.sleep(0.2)  # stagger the first claims
     try:
-        for p in procs:
-            p.wait()
+        for i, p in enumerate(procs, start=1):
+            # a worker that stopped on an error (its traceback is above) leaves the sweep short and its trial running
+            # until a worker or the next `study sweep` takes it back: said here, not left to the final counts to hint
+            if p.wait():
+                log.warning("worker %d of %d (pid %d) stopped with exit code %d; its running trial is taken back when "
+                            "another worker or the next `study sweep` finds it gone", i, workers, p.pid, p.returncode)
     except BaseException:
         for p in procs:
             p.terminate()

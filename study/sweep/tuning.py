@@ -116,13 +116,13 @@ def start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], c
         else:
             data["stages"][stage] = set_fields(data["stages"][stage], {field: value})
         cfg = experiment_from_dict(data)
-    except Exception:  # the attempt fails (the worker records why); TPE must not wait for this setting's result
-        study.tell(trial, state=TrialState.FAIL)
+        digest = content_hash(cfg)
+        atomic_write_text(layout.point_config(digest), cfg.replace(name=f"point-{digest}").to_yaml())
+        queue.storage.set_trial_user_attr(claimed.trial_id, "runs_point", digest)
+        queue.storage.set_trial_user_attr(claimed.trial_id, "tuned_value", value)
+    except Exception:  # the attempt fails or was taken back (the worker records which): TPE must not wait for this
+        study.tell(trial, state=TrialState.FAIL)  # setting's result
         raise
-    digest = content_hash(cfg)
-    atomic_write_text(layout.point_config(digest), cfg.replace(name=f"point-{digest}").to_yaml())
-    queue.storage.set_trial_user_attr(claimed.trial_id, "runs_point", digest)
-    queue.storage.set_trial_user_attr(claimed.trial_id, "tuned_value", value)
     return digest, study, trial
 
 
@@ -170,6 +170,12 @@ def entry_for(tuned: dict[str, Any], point: str, plan: dict[str, Any]) -> dict[s
         "ranked_by": {k: plan["objective"][k] for k in ("metric", "direction")}, "trials": []}
     tuned[point] = {**current, **({"superseded": earlier} if earlier else {})}
     return tuned[point]
+
+
+def settle_points(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], points: list[str]) -> None:
+    """`settle_tuning_locked` under the sweep's lock, for a caller that does not hold it."""
+    with queue.lock():
+        settle_tuning_locked(queue, layout, plan, points)
 
 
 def settle_tuning_locked(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], points: list[str]) -> None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import optuna
+
 from study.io import atomic_write_json, exclusive_lock, read_json
 from study.record import RunDir, metric_value
 from study.sweep import tuning
@@ -164,8 +166,6 @@ class Attempt:
 
     def tell_failed(self) -> None:
         if self.tuning:
-            import optuna
-
             self.tuning[0].tell(self.tuning[1], state=optuna.trial.TrialState.FAIL)
 
 
@@ -212,8 +212,6 @@ def _command(layout: SweepLayout, attempt: Attempt, opts: WorkerOptions) -> tupl
 def _supervise(queue: TrialQueue, child: subprocess.Popen, attempt: Attempt, pruning) -> int:
     """Wait for the trial process, beating the heartbeat; raises TrialLost when another worker took the trial
     back, TrialPruned when the tuning pruner stops it."""
-    import optuna
-
     while True:
         try:
             return child.wait(timeout=queue.heartbeat_s)
@@ -244,6 +242,8 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
             if attempt.tuning and plan["tune"]["pruner"] != "none" else None)
     except StorageError:  # the storage gone for good: the worker stops (main), the grace period gives it back
         raise
+    except optuna.exceptions.UpdateFinishedTrialError:  # another worker ended (and re-queued) it as it started
+        return _taken_back(queue, plan, attempt, claimed)
     except Exception as err:  # noqa: BLE001
         return _start_failed(queue, layout, plan, claimed, err, attempt)
     cmd, env = _command(layout, attempt, opts)
@@ -261,7 +261,10 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
         attempt.write(sweep, ended=time.time(), outcome="pruned")
         # what it logged last is a partial run's validation loss, not the objective: recorded as what it is
         last = {"last_val_loss": pruning.last, "last_val_step": pruning.last_step}
-        queue.finish(claimed, "pruned", None, {"run_dir": str(attempt.run_dir), **last})
+        try:
+            queue.finish(claimed, "pruned", None, {"run_dir": str(attempt.run_dir), **last})
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return _taken_back(queue, plan, attempt)
         tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point, "pruned",
                                    None, **last)
         return "pruned"
@@ -289,7 +292,10 @@ def _start_failed(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], 
     if attempt is not None:  # it got as far as its run directory: the attempt's record says how it ended
         attempt.write(plan["sweep"], ended=time.time(), outcome="failed", error=error.splitlines()[0])
         attempt.tell_failed()
-    requeued = queue.fail(claimed, error)
+    try:
+        requeued = queue.fail(claimed, error)
+    except optuna.exceptions.UpdateFinishedTrialError:  # another worker ended it (and re-queued it) meanwhile
+        return _taken_back(queue, plan, None, claimed)  # (its attempt's record and TPE trial: failed, above)
     if claimed.spec.kind == "tune" and not requeued:  # this tuning trial failed for good: its point may be settled
         tuning.record_tuning_trial(queue, layout, plan, claimed.spec.point, {
             "key": claimed.spec.key, "value": None, "status": "failed", "objective": None, "runs_point": None,
@@ -309,18 +315,27 @@ def _settle(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], attemp
     """Record how an attempt that ran to its end ended (`_settle_mine`), unless another worker took the trial back
     meanwhile (it judged the heartbeat stale, and the process ended before the next beat would have told this
     worker): that worker re-queued it, and the retry settles it (a finished run directory is found, not retrained)."""
-    import optuna
-
     attempt.record.update(ended=time.time(), returncode=rc)
     if queue.still_mine(attempt.claimed):
         try:
             return _settle_mine(queue, layout, plan, attempt, rc)
         except optuna.exceptions.UpdateFinishedTrialError:  # taken back between the check and the update
             pass
-    log.warning("%s: trial %d was taken back by another worker before its end was recorded; its retry settles it",
-                queue.worker, attempt.claimed.number)
-    attempt.write(plan["sweep"], outcome="lost")
-    attempt.tell_failed()
+    return _taken_back(queue, plan, attempt)
+
+
+def _taken_back(queue: TrialQueue, plan: dict[str, Any], attempt: Attempt | None,
+                claimed: Claimed | None = None) -> str:
+    """The storage says another process ended this worker's trial (a worker that judged it lost failed it and
+    re-queued it, as `TrialQueue.reap` does): the attempt is lost, the retry settles the key, and this worker goes on
+    to its next trial."""
+    claimed = claimed or attempt.claimed
+    log.warning("%s: trial %d was ended by another worker (which judged it lost) before this one recorded it; its "
+                "retry settles it",
+                queue.worker, claimed.number)
+    if attempt is not None:
+        attempt.write(plan["sweep"], outcome="lost")
+        attempt.tell_failed()
     return "lost"
 
 
@@ -386,7 +401,12 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
 def _drain(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions, plan: dict[str, Any], keys: set[str],
            summary: WorkerSummary, launcher: Launcher) -> None:
     while opts.max_trials is None or len(summary.ran) < opts.max_trials:
-        queue.reap_lost()
+        # a lost tuning trial with no retry left may have been its point's last: no worker ran it to its end, so the
+        # reaper settles the point (its seeds are queued now, not by the next `study sweep`)
+        given_up = {t.user_attrs.get("point") for t, requeued in queue.reap()
+                    if not requeued and t.user_attrs.get("kind") == "tune"}
+        if given_up and plan.get("tune"):
+            tuning.settle_points(queue, layout, plan, sorted(given_up))
         claimed = queue.claim(keys)
         if claimed is None:
             specs = trial_specs(plan, read_tuned(layout))

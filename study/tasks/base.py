@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Timer, WeightAveraging
 from torch import nn
@@ -62,6 +63,13 @@ def time_aware_multiplier(cfg: TrainConfig, training_seconds: Callable[[], float
     return multiplier
 
 
+def is_logging_step(trainer) -> bool:
+    """The optimizer step just taken is one Lightning writes logs at (every `train.log_every` steps); a run's last
+    step is written too (the module checks that: a stop decided in this step's callbacks)."""
+    every = trainer.log_every_n_steps
+    return every > 0 and trainer.global_step % every == 0
+
+
 class SyncedTimer(Timer):
     """Lightning's Timer (the `train.max_time_s` budget; a resumed run restores its elapsed time) with one clock for
     every rank. Lightning's broadcasts rank zero's stop decision after every step, a host sync in each step under
@@ -81,12 +89,11 @@ class SyncedTimer(Timer):
             self._sync(trainer)
 
     def on_train_batch_end(self, trainer, *args: Any, **kwargs: Any) -> None:
-        every = trainer.log_every_n_steps
         if trainer.fit_loop._should_accumulate():  # a stop between micro-batches would drop their gradients
             return
         if trainer.world_size == 1:
             super().on_train_batch_end(trainer, *args, **kwargs)
-        elif self._duration is not None and (every <= 0 or trainer.global_step % every == 0):
+        elif self._duration is not None and (trainer.log_every_n_steps <= 0 or is_logging_step(trainer)):
             self._sync(trainer)
             trainer.should_stop = trainer.should_stop or self.synced_seconds >= self._duration
 
@@ -160,6 +167,7 @@ class StudyModule(L.LightningModule):
         self.step_tokens: list[int] = []
         self.step_logs: dict[str, Any] = {}  # this step's training values, logged in on_train_batch_end
         self._step_means: dict[str, Any] = {}  # the optimizer step's values so far, over its micro-batches
+        self._rng_restored = False  # this rank's random stream came from a checkpoint (on_load_checkpoint)
 
     @property
     def forward_model(self) -> nn.Module:
@@ -258,12 +266,12 @@ class StudyModule(L.LightningModule):
         # ~0.6 ms on CPU, 2-4% of a small model's step if made every step. A value logged on some other step
         # would be written, stale, under the next written step; this hook runs after the callbacks' (a Timer
         # that ends the run sets should_stop there), so the last step is never missed.
-        every, trainer = self.trainer.log_every_n_steps, self.trainer
+        trainer = self.trainer
         last = trainer.should_stop or (trainer.max_steps > 0 and self.global_step >= trainer.max_steps)
         # between micro-batches of an optimizer step (train.accumulate) nothing is written: global_step still names
         # the step before, whose values were written at its own last micro-batch
         accumulating = trainer.fit_loop._should_accumulate()
-        written = not accumulating and (last or (every > 0 and self.global_step % every == 0))
+        written = not accumulating and (last or is_logging_step(trainer))
         if written:
             self.settle()  # before the step's time is taken: on a GPU the read waits for the queued steps
         if self._step_started is not None:
@@ -308,14 +316,29 @@ class StudyModule(L.LightningModule):
         loss, n_tokens = self.validation_loss(batch)
         self.log("val/loss", loss, prog_bar=True, batch_size=max(1, n_tokens), sync_dist=True)
 
-    # --- exact resume ---------------------------------------------------------------
+    # --- random streams and exact resume -------------------------------------------
+    def on_train_start(self) -> None:
+        # Under DDP every rank was seeded alike (one model initialisation; DDP broadcasts rank zero's anyway), so
+        # rank r's examples would draw rank zero's dropout masks at the same positions: correlated noise a single
+        # process training the same global batch never has. Each rank > 0 takes a stream of its own (nanoGPT offsets
+        # its seed by rank); rank zero keeps the seed's, as one process would. A resumed run took its own rank's
+        # saved stream in on_load_checkpoint, unless it saved under another world size: then a fresh one.
+        rank = self.trainer.global_rank
+        if self.trainer.world_size > 1 and rank > 0 and not self._rng_restored:
+            torch.manual_seed(rank_stream_seed(self.cfg.train.seed, rank, self.global_step))
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.settle()  # the ledger's steps up to this checkpoint are counted in it
+        # the device this rank trains on; *_all would open a context on every visible GPU, and give a rank the state
+        # of a device it never used
+        streams = (torch.get_rng_state(), [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [])
+        by_rank = [streams]
+        if self.trainer.world_size > 1:  # every rank saves (a collective in Lightning), rank zero writes
+            by_rank = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(by_rank, streams)
         checkpoint["study"] = {
-            "torch_rng": torch.get_rng_state(),
-            # the device this rank trains on (every rank's stream is the same: one seed, the same draws); *_all would
-            # open a context on every visible GPU, and give a rank the state of a device it never used
-            "cuda_rng": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
+            "torch_rng": streams[0], "cuda_rng": streams[1],  # rank zero's (and the only ones, before by_rank)
+            "rng_by_rank": by_rank,
             "train_tokens": self.train_tokens,
             "diverged_at": self.diverged_at,
             "divergence": dataclasses.asdict(self.divergence) if self.divergence else None,
@@ -324,10 +347,15 @@ class StudyModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("study", {})
-        if "torch_rng" in state:
-            torch.set_rng_state(state["torch_rng"])
-        if state.get("cuda_rng") and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda_rng"][0])  # (a checkpoint of every device's: the first, as it ran)
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer is not None else (0, 1)
+        by_rank = state.get("rng_by_rank") or ([(state["torch_rng"], state.get("cuda_rng", []))]
+                                               if "torch_rng" in state else [])
+        if by_rank and (len(by_rank) == world or rank == 0):
+            torch_rng, cuda_rng = by_rank[rank if len(by_rank) == world else 0]
+            torch.set_rng_state(torch_rng)
+            if cuda_rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(cuda_rng[0])  # (a checkpoint of every device's: the first, as it ran)
+            self._rng_restored = True
         self.train_tokens = state.get("train_tokens", 0)
         self.diverged_at = state.get("diverged_at")
         self.divergence = Divergence(**state["divergence"]) if state.get("divergence") else None
@@ -351,6 +379,12 @@ def spread_order(batches: list) -> list:
     `train.eval_batches` then evaluates a sample of the whole split, where the first batches in length order would
     hold only its shortest sentences."""
     return [batches[i] for i in torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()]
+
+
+def rank_stream_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of DDP rank `rank`'s random stream (dropout), started at optimizer step `step`: well mixed and
+    distinct for each (seed, rank, step), the same in every process and Python session."""
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def seeded_generator(seed: int, index: int) -> torch.Generator:

@@ -82,6 +82,11 @@ class Pretraining(TaskFamily):
     def implementation(self):
         return PretrainDataModule, PretrainModule
 
+    def unwritten_metric(self, cfg: ExperimentConfig, metric: str) -> str | None:
+        if metric.startswith("valid_nsp_") and not cfg.model.nsp:
+            return f"model.nsp is false (MLM only, no sentence pairs): {metric} is never written"
+        return None
+
     def predicted_fraction(self, cfg: ExperimentConfig) -> float:
         return cfg.task.mlm_probability  # the output head runs on the masked positions only
 

@@ -9,6 +9,7 @@ signature is stored with each score so numbers are comparable across papers (Pos
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,16 @@ import sacrebleu
 import torch
 import torch.nn.functional as F
 
+from study.axes import POSITIONS
 from study.config import ExperimentConfig
 from study.io import atomic_write_text
 from study.model.generate import beam_search, greedy_decode
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator, spread_order
 from study.tasks.contract import MetricSpec, TaskFamily
 from study.tasks.data import build_translation_tokenizers, load_translation
+
+log = logging.getLogger(__name__)
+
 
 class Translation(TaskFamily):
     """Sequence-to-sequence translation with an encoder-decoder, scored with sacreBLEU (`translation`)."""
@@ -43,6 +48,13 @@ class Translation(TaskFamily):
                                "(each hypothesis's self-attention K/V and each sentence's cross-attention K/V, shared "
                                "by its hypotheses; measured from the cache's tensors)"),
         MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False),
+        MetricSpec("test_sets.*.truncated_sources", "minimize", "count", "-", objective=False,
+                   description="test sentences whose source was cut to the length the position scheme can address "
+                               "(model.max_seq_len of a learned table; never for the other schemes): their "
+                               "translations saw part of the source, which lowers BLEU"),
+        MetricSpec("truncated_pairs.*", "minimize", "count", "-", objective=False,
+                   description="train/valid sentence pairs with a side over task.seq_len tokens, cut to it (a cut "
+                               "target gets no EOS, so the model is not taught to end sentences early)"),
     )
     default_objective = "bleu"
     reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "src_lang", "tgt_lang",
@@ -77,6 +89,7 @@ class TranslationDataModule(StudyDataModule):
     def __init__(self, cfg: ExperimentConfig, data_dir: str | Path | None = None, cache_dir: str | Path | None = None):
         super().__init__(cfg)
         self.data_dir, self.cache_dir = data_dir, cache_dir
+        self.truncated: dict[str, int] = {}  # split -> pairs with a side cut to task.seq_len
 
     def prepare(self) -> None:
         task = self.cfg.task
@@ -98,10 +111,14 @@ class TranslationDataModule(StudyDataModule):
         self.train_stream = StepIndexedBatches(self._train_batch)
 
     def encode(self, split: str) -> list[tuple[list[int], list[int]]]:
+        """(source ids, BOS + target ids [+ EOS]) per pair, each side cut to task.seq_len tokens. A cut target gets
+        no EOS: "BOS + first n tokens + EOS" would teach the model to end a sentence where the cut fell. How many
+        pairs were cut is kept in `truncated[split]` (written into the metrics)."""
         n = self.cfg.task.seq_len
         src = self.src_tok.encode_batch(self.corpus.sources(split))
         tgt = self.tgt_tok.encode_batch(self.corpus.targets(split))
-        return [(s[:n], [BOS] + t[:n] + [EOS]) for s, t in zip(src, tgt)]
+        self.truncated[split] = sum(len(s) > n or len(t) > n for s, t in zip(src, tgt))
+        return [(s[:n], [BOS] + t[:n] + ([EOS] if len(t) <= n else [])) for s, t in zip(src, tgt)]
 
     def model_overrides(self) -> dict[str, Any]:
         return {"vocab_size": max(self.src_tok.vocab_size, self.tgt_tok.vocab_size), "pad_token_id": PAD}
@@ -154,11 +171,22 @@ class TranslationModule(StudyModule):
     def translate(self, sentences: list[str], dm: TranslationDataModule, beam_size: int | None = None,
                   batch_size: int = 100, stats: dict | None = None) -> list[str]:
         """Detokenized translations, decoded in length-sorted batches; `stats` receives the largest KV cache a
-        batch held (`kv_cache_bytes`, measured from the cache's tensors)."""
+        batch held (`kv_cache_bytes`, measured from the cache's tensors) and how many sources were cut
+        (`truncated_sources`). A source is cut only where the position scheme cannot address it (a learned table
+        of model.max_seq_len rows), not at task.seq_len: a test sentence is translated whole, else BLEU would
+        score translations of part of it."""
         task = self.cfg.task
         beam = task.beam_size if beam_size is None else beam_size
         self.model.eval()
-        ids = [s[: task.seq_len] for s in dm.src_tok.encode_batch(sentences)]
+        ids = dm.src_tok.encode_batch(sentences)
+        limit = POSITIONS[self.cfg.model.position].max_positions(self.cfg.model)
+        cut = 0 if limit is None else sum(len(s) > limit for s in ids)
+        if cut:
+            ids = [s[:limit] for s in ids]
+            log.warning("%d of %d sources are longer than the %d positions model.position=%r addresses; cut to it",
+                        cut, len(ids), limit, self.cfg.model.position)
+        if stats is not None:
+            stats["truncated_sources"] = cut
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         out: list[list[int]] = [[] for _ in ids]
         with self.precision_context():
@@ -195,8 +223,10 @@ class TranslationModule(StudyModule):
                 "decode_seconds": seconds,
                 "kv_cache_peak_bytes": stats.get("kv_cache_bytes"),
                 "sentences": len(refs),
+                "truncated_sources": stats["truncated_sources"],
                 "examples": [{"source": s, "reference": r, "hypothesis": h}
                              for s, r, h in list(zip(dm.corpus.sources(split), refs, hyps))[:5]],
             }
         first = self.cfg.task.test_sets[0]
-        return {"bleu": results[first]["bleu"], "chrf": results[first]["chrf"], "test_sets": results}
+        return {"bleu": results[first]["bleu"], "chrf": results[first]["chrf"], "test_sets": results,
+                "truncated_pairs": dict(dm.truncated)}

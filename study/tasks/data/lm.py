@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from study.tasks.data.errors import DataError
@@ -139,11 +140,21 @@ def split_wikitext_documents(text: str) -> list[str]:
     return ["".join(d) for d in docs]
 
 
+def read_corpus_text(path: Path) -> tuple[str, str]:
+    """A corpus file's text as published (LF line ends, no byte-order mark) and the sha256 of the file on disk.
+
+    A copy saved with CRLF line ends or a BOM (an editor, git's autocrlf on Windows) would otherwise be a different
+    corpus without a word said: every "\r" a character of Tiny Shakespeare's vocabulary and stream (40,000 more
+    characters), a byte-level BPE token in WikiText-2; the hub copy has neither."""
+    text, digest = read_text(path, bom=True)
+    return text.replace("\r\n", "\n"), digest
+
+
 def _wikitext_local(local: LocalFiles) -> LMCorpus:
     splits, digests = {}, {}
     for split in LM_SPLITS:
         path = local.found[split]
-        text, digest = read_text(path)
+        text, digest = read_corpus_text(path)
         if text and not text.endswith("\n"):
             text += "\n"
         splits[split] = text
@@ -200,7 +211,7 @@ def _tinyshakespeare_corpus(text: str, fingerprint: dict) -> LMCorpus:
 
 def _tinyshakespeare_local(local: LocalFiles) -> LMCorpus:
     path = local.found["input"]
-    text, digest = read_text(path)
+    text, digest = read_corpus_text(path)
     return _tinyshakespeare_corpus(text, local_fingerprint(TINYSHAKESPEARE.name, local, {path: digest}))
 
 

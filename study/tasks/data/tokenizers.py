@@ -6,7 +6,8 @@ Kinds:
   "wordpiece": BERT-style WordPiece (BERT normalizer and pre-tokenizer, "##" continuation prefix).
                Options: lowercase (also strips accents, like uncased BERT); unk_token (default "[UNK]").
   "char":      character level: every character of the training text gets an id (sorted by code point, after the
-               special tokens); unseen characters map to unk_token (default "<unk>"). `vocab_size` is ignored.
+               special tokens); unseen characters map to unk_token (default "<unk>"). The data decides the size:
+               a `vocab_size` other than None (or the size found) is refused, not ignored.
   "word":      whitespace word level for pre-tokenized corpora with a closed vocabulary (WikiText-2).
                vocab_size None keeps every word; unk_token defaults to "<unk>" (WikiText-2's own token);
                newline_token (e.g. "<eos>") turns each "\\n" into that token, so encoding a whole split yields
@@ -24,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,8 +276,8 @@ def build_tokenizer(
     """Train (or load from cache) a tokenizer on `texts` (the training split; an iterator or a list).
 
     kind: "bpe" | "wordpiece" | "char" | "word" (see the module docstring).
-    vocab_size: target vocabulary size including special tokens; required for bpe and wordpiece, ignored for char,
-      None for word means every word.
+    vocab_size: target vocabulary size including special tokens; required for bpe and wordpiece; None for char (the
+      characters found decide); None for word means every word. A size the data cannot give is refused.
     special_tokens: registered as special tokens (ids 0.., in this order); skipped by `decode` by default.
     cache_dir: where to keep `<kind>-<vocab>-<hash>.json` (+ `.meta.json`); None disables caching.
     fingerprint: identifies the training data (e.g. a loader's `fingerprint` plus the split); it goes into the cache
@@ -289,8 +291,8 @@ def build_tokenizer(
         raise DataError(f"{kind} tokenizer needs a positive vocab_size, got {vocab_size!r}")
     if newline_token is not None and kind != "word":
         raise DataError("newline_token is only supported by the 'word' tokenizer")
-    if kind == "char":
-        vocab_size = None
+    # char: the size asked is checked against the characters found, and left out of the key (the data decides it)
+    asked, vocab_size = vocab_size, (None if kind == "char" else vocab_size)
     unk = unk_token if unk_token is not None else _DEFAULT_UNK[kind]
     min_freq = min_frequency if min_frequency is not None else _DEFAULT_MIN_FREQ[kind]
     specials = list(dict.fromkeys(special_tokens))
@@ -309,30 +311,35 @@ def build_tokenizer(
         path = Path(cache_dir) / f"{kind}-{vocab_size if vocab_size is not None else 'all'}-{key[:20]}.json"
         cached = _cached(path)
         if cached is not None:
-            _check_size_reached(kind, vocab_size, cached, min_freq)  # a cache written before the check too
+            _check_size_reached(kind, asked, cached, min_freq)  # a cache written before the check too
             return TrainedTokenizer(cached, kind, key, path, True, tuple(specials), unk, options)
     tok = _train(kind, texts, vocab_size, specials, min_freq, lowercase, unk, newline_token)
-    _check_size_reached(kind, vocab_size, tok, min_freq)
+    _check_size_reached(kind, asked, tok, min_freq)
     if path is not None:
-        _save(tok, path, {"kind": kind, "vocab_size_requested": vocab_size,
-                          "vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_tokens": specials,
-                          "options": options, "fingerprint": fingerprint, "key": key})
+        tok = _publish(tok, path, {"kind": kind, "vocab_size_requested": vocab_size, "special_tokens": specials,
+                                   "options": options, "fingerprint": fingerprint, "key": key})
     return TrainedTokenizer(tok, kind, key, path, False, tuple(specials), unk, options)
 
 
 def _check_size_reached(kind: str, vocab_size: int | None, tok: Tokenizer, min_freq: int) -> None:
-    """A bpe/wordpiece vocabulary of another size than asked trains a model of another size than the config names,
-    so a sweep over sizes would train one model under several labels: refused. A trainer never goes below its
-    alphabet and special tokens, and stops early when the data holds no more merges at `min_frequency`."""
+    """A vocabulary of another size than asked trains a model of another size than the config names, so a sweep over
+    sizes would train one model under several labels: refused. A trainer never goes below its alphabet and special
+    tokens, and stops early when the data holds no more merges (bpe, wordpiece) or distinct words (word) at
+    `min_frequency`; a character vocabulary is every character of the training text, whatever the size asked."""
     got = tok.get_vocab_size(with_added_tokens=True)
-    if kind not in ("bpe", "wordpiece") or vocab_size is None or got == vocab_size:
+    if vocab_size is None or got == vocab_size:
         return
+    if kind == "char":
+        raise DataError(f"vocab_size={vocab_size} cannot size a char tokenizer: it takes every character of the "
+                        f"training text ({got} here, special tokens included) and would ignore the size; leave "
+                        f"vocab_size null (task.vocab_size: null) or use a subword tokenizer ('bpe')")
     if got > vocab_size:
         raise DataError(f"vocab_size={vocab_size} is below the smallest {kind} vocabulary of this data ({got}: its "
                         f"alphabet and special tokens); the tokenizer would ignore it: use vocab_size >= {got}")
+    found = "distinct words" if kind == "word" else "pairs"
     raise DataError(f"vocab_size={vocab_size} is more than this data yields: the {kind} tokenizer stops at {got} "
-                    f"(no more pairs seen {min_freq}+ times); a model of {vocab_size} would be labelled with a "
-                    f"vocabulary it does not have: use vocab_size <= {got} or more training text")
+                    f"(no more {found} seen {max(min_freq, 1)}+ times); a model of {vocab_size} would be labelled "
+                    f"with a vocabulary it does not have: use vocab_size <= {got} or more training text")
 
 
 def _cached(path: Path) -> Tokenizer | None:
@@ -364,14 +371,34 @@ def _train(kind: str, texts: Iterable[str], vocab_size: int | None, specials: li
     return tok
 
 
-def _save(tok: Tokenizer, path: Path, meta: dict[str, Any]) -> None:
-    """The tokenizer file (renamed into place: readers never see half of it) and its `.meta.json`."""
+def _publish(tok: Tokenizer, path: Path, meta: dict[str, Any]) -> Tokenizer:
+    """Put `tok` in the cache unless another process got there first, and return the tokenizer the cache holds.
+
+    The first writer wins and everyone uses its file: WordPiece training numbers (and, on ties, picks) its tokens in
+    a per-process hash order, so two trials that trained the same key at once hold different id maps. Were the last
+    writer to win, a trial would keep training with its own map while the cache held another one, and on resume
+    (or in a later trial) the same key would give its weights other tokens' ids without a word said."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     tok.save(str(tmp))
-    os.replace(tmp, path)
+    try:
+        os.link(tmp, path)  # atomic, and fails when the file exists: the first writer's stays
+    except FileExistsError:
+        published = _cached(path)
+        if published is not None:
+            tmp.unlink()
+            return published
+        os.replace(tmp, path)  # an unreadable cache file: replaced
+    except OSError:  # a filesystem without hard links: renamed into place (readers never see half a file)
+        os.replace(tmp, path)
+    else:
+        tmp.unlink()
     meta_path = path.with_name(path.name[: -len(".json")] + ".meta.json")
-    meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str, ensure_ascii=False) + "\n")
+    meta_tmp = meta_path.with_name(f"{meta_path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+    meta = {**meta, "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
+    meta_tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str, ensure_ascii=False) + "\n")
+    os.replace(meta_tmp, meta_path)
+    return tok
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ A GLUE experiment is a suite of runs, which the run layer runs through this fami
 
     <run_dir>/config.yaml, env.json, data.json   the resolved suite (model from task.init_from), data fingerprints
     <run_dir>/metrics.json                       per task: the mean over seeds of each dev metric and its sample
-                                                 standard deviation (null for one seed: one seed has no spread);
-                                                 the GLUE score over the tasks run; every seed's numbers under
+                                                 standard deviation (null for one seed: one seed has no spread;
+                                                 none for a task with a diverged seed); the GLUE score over the
+                                                 tasks run (null when one is unscored); every seed's numbers under
                                                  `parts`; unavailable tasks with where to get them; `init`: where
                                                  the encoder came from (pretrained with or without NSP, or random)
     <run_dir>/<TASK>/seed<k>/                    one ordinary run directory per (task, seed): config, logs,
@@ -138,16 +139,17 @@ class Glue(TaskFamily):
 
     def sub_runs(self, cfg: ExperimentConfig, data_dir: str | Path | None) -> list[SubRun]:
         """One run per (task, fine-tuning seed): the task's per-task settings applied, its steps capped at
-        task.epochs passes over its training set, warm-up at most a tenth of them."""
+        task.epochs passes over its training set, warm-up at most a tenth of them. An unavailable task is a skipped
+        part; when every task asked for is unavailable, DatasetUnavailable (a suite that runs nothing is no result)."""
         tasks = suite_tasks(cfg)
         seeds = list(cfg.task.finetune_seeds or (cfg.train.seed,))
         parts: list[SubRun] = []
+        missing: list[DatasetUnavailable] = []
         for name in tasks:
             try:
                 data = load_glue(name, data_dir)
             except DatasetUnavailable as err:
-                if len(tasks) == 1:
-                    raise
+                missing.append(err)
                 parts.append(SubRun(name, None, skip_reason=str(err)))
                 continue
             task_cfg = cfg.for_glue_task(name)
@@ -161,16 +163,22 @@ class Glue(TaskFamily):
                     name=f"{cfg.name}.{name}.seed{seed}",
                     task=task_cfg.task.replace(dataset=glue_task_key(name), glue_tasks=(), finetune_seeds=(seed,)),
                     train=t.replace(seed=seed, max_steps=steps, warmup_steps=min(t.warmup_steps, steps // 10)))))
+        if len(missing) == len(tasks):
+            raise missing[0] if len(missing) == 1 else _none_available(missing)
         return parts
 
     def combine(self, cfg: ExperimentConfig, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """The suite's metrics: per task the mean over seeds of each dev metric with its sample sd (null for one
-        seed), the task score, and the GLUE score over the tasks that ran."""
+        seed), the task score, and the GLUE score over the tasks that ran. A task with a diverged seed has no
+        aggregate, and then the suite has no GLUE score: over the tasks (or seeds) that happened not to diverge it
+        would score an easier benchmark than the one asked for (a tuner would rank it as a result)."""
         tasks, unavailable = _by_task(results)
         summary: dict[str, Any] = {}
         scores = {k: v["score_mean"] for k, v in tasks.items() if v.get("score_mean") is not None}
-        summary["glue_score"] = _glue_score(scores)
+        unscored = sorted(set(tasks) - set(scores))
+        summary["glue_score"] = _glue_score(scores) if not unscored else None
         summary["glue_score_tasks"] = sorted(scores)
+        summary["unscored_tasks"] = unscored
         summary["glue_score_complete"] = len(scores) == len(GLUE_TASK_NAMES)
         summary["seeds"] = list(cfg.task.finetune_seeds or (cfg.train.seed,))
         for name, r in tasks.items():
@@ -210,6 +218,15 @@ class Glue(TaskFamily):
                          "pretrain_seed": pre.train.seed}}
 
 
+def _none_available(missing: list[DatasetUnavailable]) -> DatasetUnavailable:
+    """One error for a suite none of whose tasks is available, naming each and the files each needs."""
+    return DatasetUnavailable(
+        "GLUE " + ", ".join(e.dataset for e in missing), hub_id=None,
+        expected_files=[f for e in missing for f in e.expected_files],
+        reasons=[f"{e.dataset}: {r}" for e in missing for r in e.reasons],
+        hint="None of the tasks asked for (task.glue_tasks) is available, so the suite would run nothing.")
+
+
 def suite_tasks(cfg: ExperimentConfig) -> list[str]:
     names = (cfg.task.glue_tasks or GLUE_TASK_NAMES) if cfg.task.dataset == "glue" else (cfg.task.dataset,)
     return list(dict.fromkeys(glue_task_info(t).name for t in names))
@@ -241,16 +258,19 @@ def _by_task(results: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, An
 
 
 def _aggregate(name: str, seed_runs: dict[str, Any]) -> dict[str, Any]:
-    """Mean and sample standard deviation over the seeds of every metric and of the task score."""
+    """Mean and sample standard deviation over the seeds of every metric and of the task score; none when a seed
+    did not finish (a mean over the seeds that survived would be biased towards them). `best_seed`, whose test
+    predictions go to submission/, is the best of the seeds that finished."""
     info = glue_task_info(name)
     done = {s: r for s, r in seed_runs.items() if r["status"] == "completed" and "score" in r}
     out: dict[str, Any] = {"seeds": seed_runs, "metrics": list(info.metrics)}
-    if not done:
+    if done:
+        out["best_seed"] = max(done, key=lambda s: done[s]["score"])
+    if not done or len(done) < len(seed_runs):
         return {**out, "score_mean": None}
     keys = [k for k, v in next(iter(done.values())).items() if isinstance(v, float) and k != "score"]
     out["mean"], out["std"] = {}, {}
     for k in keys:
         out["mean"][k], out["std"][k] = _mean_std([r[k] for r in done.values()])
     out["score_mean"], out["score_std"] = _mean_std([r["score"] for r in done.values()])
-    out["best_seed"] = max(done, key=lambda s: done[s]["score"])
     return out

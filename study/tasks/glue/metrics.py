@@ -75,8 +75,10 @@ def task_score(per_split: Mapping[str, Mapping[str, float]]) -> float:
 
 
 def glue_score(task_scores: Mapping[str, float]) -> float:
-    """Unweighted mean of the task scores (complete only when all nine tasks are present)."""
-    values = [float(v) for v in task_scores.values() if v is not None and not math.isnan(float(v))]
-    if not values:
+    """Unweighted mean of the task scores (complete only when all nine tasks are present). A task without a number
+    (None, NaN: e.g. non-finite STS-B predictions) makes the mean NaN, read downstream as no result: left out, the
+    mean would score the other tasks only, an easier benchmark than the one asked for."""
+    if not task_scores:
         raise ValueError("no task scores to average")
+    values = [math.nan if v is None else float(v) for v in task_scores.values()]
     return sum(values) / len(values)

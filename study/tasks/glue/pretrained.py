@@ -45,6 +45,11 @@ def check_pretrained(cfg: ExperimentConfig, where: str) -> None:
     if cfg.model.arch != "encoder" or cfg.model.objective != "mlm":
         raise ValueError(f"task.init_from: {where} holds a {cfg.model.arch}/{cfg.model.objective} model "
                          f"(task {cfg.task.name!r}); GLUE fine-tunes an MLM encoder from a pretrain run")
+    # A GLUE run's model is an MLM encoder too, but its directory is a suite (one model per task and seed, no
+    # tokenizer at the top), so starting from one could only fail once it has trained: refused here, before.
+    if cfg.task.name != "pretrain":
+        raise ValueError(f"task.init_from: {where} is a {cfg.task.name!r} run, which leaves no single encoder to "
+                         "start from; GLUE fine-tunes an MLM encoder from a pretrain run")
 
 
 def pretrained_tokenizer(init_from: str | Path) -> TrainedTokenizer:

@@ -1,0 +1,99 @@
+"""Review of planning: what the plan says it runs is what runs. Four ways it did not: an `exclude` rule naming a
+true/false/null value matched nothing (its points ran anyway); a conditional axis whose condition names an axis
+declared after it, or a chain of conditions, never applied in a grid and, one factor at a time, ran its values
+where its condition did not hold; an objective some points never write was accepted when the first point wrote it;
+and a sweep whose trials train on a GPU was given hours of CPU time as its estimate."""
+
+from __future__ import annotations
+
+import pytest
+from test_sweep_refusals import LM, plan_of, refused
+
+from study.sweep.estimate import estimate
+from study.sweep.plan import check, describe
+
+SPAN = {"global": {"model.window": None}, "local": {"model.window": 16}}
+PATTERN = {"field": "model.window_pattern", "values": ["L", "LG"], "when": {"span": "local"}}
+LR = {"field": "train.lr", "values": [0.002, 0.001], "when": {"pattern": "LG"}}  # refines pattern=LG
+
+
+@pytest.mark.parametrize("axes, rule, dropped", [
+    ({"model.tie_embeddings": [True, False]}, {"tie_embeddings": False}, "tie_embeddings=false,norm=layernorm"),
+    ({"model.window": [None, 16]}, {"window": None}, "window=none,norm=layernorm"),
+])
+def test_an_exclude_rule_naming_a_boolean_or_null_value_drops_its_point(tmp_path, axes, rule, dropped):
+    plan = plan_of(tmp_path, **LM, design="grid", axes={**axes, "model.norm": ["rmsnorm", "layernorm"]},
+                   exclude=[{**rule, "norm": "layernorm"}])
+    assert dropped not in [p.label for p in plan.points] and plan.excluded == [dropped]
+    assert len(plan.points) == 3
+
+
+@pytest.mark.parametrize("order", [["span", "pattern", "lr"], ["lr", "span", "pattern"]])
+def test_a_grid_of_chained_conditions_applies_each_where_its_condition_holds_in_any_declared_order(tmp_path, order):
+    axes = {"span": SPAN, "pattern": PATTERN, "lr": LR}
+    plan = plan_of(tmp_path, **LM, design="grid", axes={name: axes[name] for name in order})
+    check(plan)
+    ran = {(p.axes["span"], p.axes["pattern"], p.axes["lr"], p.config.train.lr) for p in plan.points}
+    assert ran == {("global", "n/a", "n/a", 0.002), ("local", "L", "n/a", 0.002),
+                   ("local", "LG", "0.002", 0.002), ("local", "LG", "0.001", 0.001)}
+
+
+@pytest.mark.parametrize("order", [["span", "pattern", "lr"], ["lr", "span", "pattern"]])
+def test_one_factor_at_a_time_varies_a_chained_conditional_axis_only_where_its_condition_holds(tmp_path, order):
+    axes = {"span": SPAN, "pattern": PATTERN, "lr": LR}
+    plan = plan_of(tmp_path, **LM, axes={name: axes[name] for name in order})
+    check(plan)
+    varied = next(p for p in plan.points if p.label == "lr=0.001")
+    assert varied.axes == {"span": "local", "pattern": "LG", "lr": "0.001"}
+    assert (varied.config.model.window, varied.config.model.window_pattern) == (16, "LG")
+
+
+def test_axes_whose_conditions_form_a_cycle_are_refused_naming_the_cycle(tmp_path):
+    text = refused(tmp_path, **LM, design="grid", axes={
+        "model.norm": ["rmsnorm", "layernorm"],
+        "a": {"field": "train.lr", "values": [0.002, 0.001], "when": {"b": 0.1}},
+        "b": {"field": "train.weight_decay", "values": [0.1, 0.0], "when": {"a": 0.002}}})
+    assert "axes.a.when" in text and "cycle" in text and "a -> b -> a" in text
+
+
+def test_a_conditional_value_whose_condition_holds_at_no_point_is_refused(tmp_path):
+    """pattern applies only where span=local, and its `when` value of span is one no grid point combines with
+    pattern's own condition: its values would run nowhere."""
+    text = refused(tmp_path, **LM, design="grid", axes={
+        "span": SPAN, "pattern": PATTERN,
+        "lr": {"field": "train.lr", "values": [0.002, 0.001], "when": {"pattern": "LG", "span": "global"}}})
+    assert "axes.lr" in text and "no point" in text
+
+
+def test_an_objective_that_some_points_never_write_is_refused_naming_them(tmp_path):
+    for lengths in ([[1, 2, 4], [1, 4]], [[1, 4], [1, 2, 4]]):  # the first point writes it, then the second
+        text = refused(tmp_path, **LM, axes={"task.eval_lengths": lengths}, objective={"metric": "valid_ppl_at_2x"})
+        assert "task.eval_lengths=[1, 4] has no 2: valid_ppl_at_2x is never written" in text
+        assert "eval_lengths=[1, 4]" in text  # the point it is missing at
+
+
+def test_a_sweep_that_trains_on_a_gpu_gets_no_time_from_this_machines_cpu(tmp_path):
+    plan = plan_of(tmp_path, **LM, set={"train.accelerator": "gpu"}, axes={"model.norm": ["rmsnorm", "layernorm"]})
+    cost = estimate(plan, rate_flops=None)
+    assert cost["estimated_wall_s"] is None and cost["train_flops"] > 0
+    text = describe(plan, cost)
+    assert "time not estimated" in text and "--peak-flops" in text and " h" not in text.split("cost:")[1]
+    given = estimate(plan, rate_flops=1e15)  # the rate of the machine that will run it, given
+    assert given["estimated_wall_s"] > 0 and "about" in describe(plan, given)
+
+
+def test_an_exclude_rule_that_removes_the_one_factor_at_a_time_baseline_is_refused(tmp_path):
+    axes = {"model.norm": ["rmsnorm", "layernorm"], "model.tie_embeddings": [True, False]}
+    text = refused(tmp_path, **LM, axes=axes, exclude=[{"norm": "rmsnorm"}])
+    assert "exclude: a rule removes the baseline" in text
+    check(plan_of(tmp_path, **LM, axes=axes, exclude=[{"norm": "layernorm"}]))  # a one-factor point may go
+
+
+def test_a_pretraining_sweep_over_nsp_refuses_an_nsp_objective(tmp_path):
+    """Pretraining writes valid_nsp_* only with model.nsp: a sweep over nsp on/off ranked by NSP accuracy would have
+    no value at half its points."""
+    from test_sweep_refusals import PRETRAIN
+
+    text = refused(tmp_path, **PRETRAIN, axes={"model.nsp": [True, False]}, objective={"metric": "valid_nsp_accuracy"})
+    assert "model.nsp is false" in text and "valid_nsp_accuracy is never written" in text
+    check(plan_of(tmp_path, **PRETRAIN, axes={"model.nsp": [True, False]}, objective={"metric": "valid_mlm_loss"}))

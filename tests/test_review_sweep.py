@@ -1,0 +1,307 @@
+"""A sweep worker whose trial another worker ends underneath it goes on to its next trial; a lost tuning trial whose
+retries are spent settles its point in the same invocation; a sweep's trials use the GPUs the command was given.
+
+The queue (SQLite), the files and the workers are real; the trial processes are stand-ins the worker supervises
+in-process, which write a finished run record."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from study.io import read_json
+from study.record import RunDir, make_record
+from study.sweep import devices, tuning, worker
+from study.sweep.layout import SweepLayout, all_keys, trial_specs
+from study.sweep.queue import TrialQueue
+from study.sweep.runner import prepare
+from study.sweep.storage import open_storage
+from sweep_fakes import fake_run
+from test_sweep import REPO, TESTS, opts, write_spec
+
+LR = {"field": "train.lr", "low": 1e-4, "high": 1e-2, "trials": 2}
+ONE_POINT = {"seeds": [0], "axes": {"model.norm_position": ["pre"]}}
+
+
+@pytest.fixture(autouse=True)
+def _fakes_importable(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("STUDY_FAKE_SLEEP", "0")
+
+
+class _Finishes:
+    """A trial process that writes a completed run record and exits 0."""
+
+    def __init__(self, run_dir: str, before=None):
+        self.run_dir, self.before = run_dir, before
+
+    def wait(self, timeout=None):
+        if self.before is not None:
+            self.before()
+        RunDir(self.run_dir).write(make_record("completed", {"valid_loss": 1.5}, {}, steps=10))
+        return 0
+
+    def kill(self):
+        pass
+
+
+class _Launcher:
+    """Starts a `_Finishes` per trial; `before(n)` runs as the n-th trial process ends."""
+
+    def __init__(self, before=None):
+        self.run_dirs: list[str] = []
+        self.before = before
+
+    def start(self, cmd, env, log):
+        self.run_dirs.append(cmd[cmd.index("--run-dir") + 1])
+        n = len(self.run_dirs)
+        return _Finishes(self.run_dirs[-1], (lambda: self.before(n)) if self.before else None)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def pg():
+    from postgres_server import postgres_or_skip
+
+    server = postgres_or_skip()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "journal", "postgresql"])
+def storage_url(request, tmp_path):
+    """Each storage the queue runs on: the embedded default, the journal file, a server."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("pg").new_database()
+    return f"{request.param}:///{tmp_path}/queue.{request.param}"
+
+
+def _sweep(tmp_path: Path, url: str | None = None, **fields):
+    _, layout, url = prepare(write_spec(tmp_path, **fields), opts(tmp_path, storage=url), say=lambda s: None)
+    plan = read_json(layout.plan_path)
+    queue = worker.open_queue(plan, url)
+    queue.sync(trial_specs(plan))
+    return plan, layout, url, queue
+
+
+def _reap_from_elsewhere(url: str, trial_id: int) -> None:
+    """Another worker (on another host, which cannot see this one run) judges the trial's heartbeat stale, fails it
+    and re-queues it."""
+    storage = open_storage(url)
+    other = TrialQueue(storage, "t", heartbeat_s=1, grace_s=3)
+    other.worker = "otherhost:1"
+    storage.set_trial_user_attr(trial_id, "heartbeat", time.time() - 60)
+    assert other.reap_lost() == 1
+
+
+def _reaped_at(monkeypatch, queue: TrialQueue, url: str, attr: str, after: bool) -> list[int]:
+    """Reap the first trial this worker writes `attr` on, just before (or just after) the write."""
+    real, fired = queue.storage.set_trial_user_attr, []
+
+    def write(trial_id, key, value):
+        if key == attr and not fired and not after:
+            fired.append(trial_id)
+            _reap_from_elsewhere(url, trial_id)
+        real(trial_id, key, value)
+        if key == attr and not fired and after:
+            fired.append(trial_id)
+            _reap_from_elsewhere(url, trial_id)
+
+    monkeypatch.setattr(queue.storage, "set_trial_user_attr", write)
+    return fired
+
+
+def _outcomes(run_dir) -> list[str]:
+    return [a.get("outcome") for a in read_json(RunDir(run_dir).trial)["attempts"]]
+
+
+# -- a trial ended underneath its worker -------------------------------------------------------------------------
+def test_a_trial_reaped_between_recording_its_result_and_ending_it_is_lost_and_its_retry_completes_it(
+        tmp_path, monkeypatch, storage_url):
+    """Another worker fails the trial after its worker wrote the result's attributes and before it ended the trial:
+    the worker records the attempt lost and goes on; the re-queued retry completes the key, once."""
+    plan, layout, url, queue = _sweep(tmp_path, storage_url, **ONE_POINT)
+    fired = _reaped_at(monkeypatch, queue, url, "status", after=True)
+    launcher = _Launcher()
+    monkeypatch.setattr(worker, "Launcher", lambda opts: launcher)
+    summary = worker.run_worker(queue, layout, worker.WorkerOptions(poll_s=0.1))
+    (key,) = all_keys(plan)
+    assert fired and summary.lost == [key] and summary.ran == [key, key] and not summary.failed
+    assert queue.counts([key]) == {"done": 1, "running": 0, "queued": 0, "failed": 0, "not queued": 0}
+    assert _outcomes(launcher.run_dirs[0]) == ["lost", "completed"]
+
+
+def test_a_tuning_trial_reaped_as_it_starts_is_lost_and_the_worker_goes_on_to_finish_the_sweep(tmp_path, monkeypatch):
+    """The storage refuses the tuning trial's first write (another worker failed and re-queued it): the worker moves
+    on instead of stopping, the TPE trial it had asked for is told failed, and every key ends done, each once."""
+    plan, layout, url, queue = _sweep(tmp_path, tune=LR, **ONE_POINT)
+    fired = _reaped_at(monkeypatch, queue, url, "runs_point", after=False)
+    launcher = _Launcher()
+    monkeypatch.setattr(worker, "Launcher", lambda opts: launcher)
+    summary = worker.run_worker(queue, layout, worker.WorkerOptions(poll_s=0.1))
+    keys = all_keys(plan)
+    assert fired and len(summary.lost) == 1 and not summary.failed
+    assert queue.counts(keys)["done"] == 3 and len(launcher.run_dirs) == 3
+    tpe = tuning.tune_study(queue, plan, plan["points"][0]["point"])
+    assert sorted(t.state.name for t in tpe.trials) == ["COMPLETE", "COMPLETE", "FAIL"]
+
+
+class _LogsAWorseCurve:
+    def __init__(self, run_dir: str):
+        self.log = Path(run_dir) / "logs" / "metrics.csv"
+
+    def wait(self, timeout=None):
+        if timeout is None:
+            return -9
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.log.write_text("step,val/loss\n1,4.0\n2,3.5\n")
+        raise __import__("subprocess").TimeoutExpired("trial", timeout)
+
+    def kill(self):
+        pass
+
+
+def test_a_pruned_tuning_trial_reaped_before_it_is_ended_is_lost_not_the_end_of_its_worker(tmp_path, monkeypatch):
+    plan, layout, url, queue = _sweep(tmp_path, tune={**LR, "trials": 3, "pruner": "median"}, **ONE_POINT)
+    study = tuning.tune_study(queue, plan, plan["points"][0]["point"])
+    for curve in ([2.0, 1.8], [2.1, 1.9]):  # two finished tuning trials: the median to beat
+        finished = study.ask()
+        for step, value in enumerate(curve, start=1):
+            finished.report(value, step)
+        study.tell(finished, curve[-1])
+    fired = _reaped_at(monkeypatch, queue, url, "status", after=True)
+
+    class Launcher:
+        def start(self, cmd, env, log):
+            return _LogsAWorseCurve(cmd[cmd.index("--run-dir") + 1])
+
+    claimed = queue.claim(set(all_keys(plan)))
+    assert worker.run_trial(queue, layout, claimed, plan, worker.WorkerOptions(), Launcher()) == "lost"
+    assert fired == [claimed.trial_id]
+    retry = [t for t in queue.trials((optuna.trial.TrialState.WAITING,)) if t.user_attrs["key"] == claimed.spec.key]
+    assert [t.user_attrs["attempt"] for t in retry] == [2]
+
+
+def test_a_claim_ended_underneath_by_another_process_is_skipped_not_raised(tmp_path, monkeypatch):
+    plan, layout, url, queue = _sweep(tmp_path, seeds=[0, 1], axes={"model.norm_position": ["pre"]})
+    fired = _reaped_at(monkeypatch, queue, url, "heartbeat", after=False)
+    claimed = queue.claim(set(all_keys(plan)))
+    assert fired and claimed is not None and claimed.trial_id != fired[0]
+
+
+# -- a lost tuning trial with no retry left ------------------------------------------------------------------------
+def test_a_lost_tuning_trial_without_retries_settles_its_point_in_the_same_invocation(tmp_path, monkeypatch):
+    """The last tuning trial to end is one whose worker died, with no retry left: the worker that reaps it settles
+    the point, so the point's seeds run now, not at the next `study sweep`."""
+    plan, layout, url, queue = _sweep(tmp_path, tune=LR, max_retries=0, **ONE_POINT)
+    dead = TrialQueue(open_storage(url), "t", heartbeat_s=1, grace_s=5, max_retries=0)
+    dead.worker = "otherhost:1"  # a worker elsewhere, alive until the first trial here ends
+    lost = dead.claim()
+    assert lost.spec.kind == "tune"
+
+    def its_worker_dies(n):
+        if n == 1:
+            dead.storage.set_trial_user_attr(lost.trial_id, "heartbeat", time.time() - 60)
+
+    launcher = _Launcher(its_worker_dies)
+    monkeypatch.setattr(worker, "Launcher", lambda opts: launcher)
+    worker.run_worker(queue, layout, worker.WorkerOptions(poll_s=0.1))
+    counts = queue.counts(all_keys(plan))
+    assert (counts["done"], counts["failed"]) == (2, 1)  # the other tuning trial and the point's seed
+    (entry,) = read_json(SweepLayout(layout.sweep_dir).tuned_path).values()
+    assert entry["point"] and sorted(t["status"] for t in entry["trials"]) == ["completed", "failed"]
+
+
+# -- the GPUs a sweep's trials use ---------------------------------------------------------------------------------
+def records_its_gpus(cfg, run_dir, data_dir=None, cache_dir=None):
+    """Trains as fake_run does, and writes the CUDA_VISIBLE_DEVICES the trial process was given."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "cuda_visible_devices").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"))
+    return fake_run(cfg, run_dir, data_dir, cache_dir)
+
+
+def test_trials_use_the_gpus_the_sweep_command_was_given_not_the_first_ones(tmp_path, monkeypatch):
+    """`CUDA_VISIBLE_DEVICES=2,3 study sweep --workers 2`: each worker's trials see one of 2 and 3 (never 0 or 1)."""
+    from study.sweep import SweepOptions, run_sweep
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    path = write_spec(tmp_path, seeds=[0, 1, 2, 3], axes={"model.norm_position": ["pre"]})
+    options = SweepOptions(results=tmp_path / "results", runner="test_review_sweep:records_its_gpus", workers=2,
+                           estimate_rate=1e11, poll_s=0.3)
+    run_sweep(path, options, say=lambda s: None)
+    seen = [p.read_text() for p in (tmp_path / "results" / "runs").glob("*/seed-*/cuda_visible_devices")]
+    assert len(seen) == 4 and set(seen) <= {"2", "3"}
+
+
+@pytest.fixture
+def claims_here(tmp_path, monkeypatch):
+    monkeypatch.setenv(devices.CLAIMS_ENV, str(tmp_path / "gpu-claims"))
+    held: list[devices.GpuClaims] = []
+    yield held
+    for claims in held:
+        claims.release()
+
+
+def _claim(held, *args):
+    gpus, claims = devices.claim(*args)
+    held.append(claims)
+    return gpus
+
+
+def test_a_second_sweep_on_the_host_draws_the_gpus_the_first_does_not_hold(claims_here, caplog):
+    four = ["0", "1", "2", "3"]
+    assert _claim(claims_here, 2, 1, four) == ["0", "1"]
+    assert _claim(claims_here, 1, 2, four) == ["2,3"]
+    assert not caplog.records
+    claims_here.pop(0).release()  # the first sweep ended: its GPUs are free again
+    assert _claim(claims_here, 2, 1, four) == ["0", "1"]
+
+
+def test_a_sweep_that_finds_too_few_free_gpus_shares_held_ones_and_says_which(claims_here, caplog):
+    assert _claim(claims_here, 1, 1, ["0", "1"]) == ["0"]
+    assert _claim(claims_here, 2, 1, ["0", "1"]) == ["1", "0"]  # the free one first
+    assert "GPU(s) 0 are in use by another `study sweep` on this host" in caplog.text
+
+
+def test_a_killed_sweeps_gpus_are_free_at_once(claims_here):
+    import signal
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "from study.sweep import devices; import sys, time; "
+                               "devices.claim(1, 1, ['0']); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert holder.stdout.readline().strip() == "held"
+    assert _claim(claims_here, 1, 1, ["0", "1"]) == ["1"]
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert _claim(claims_here, 1, 1, ["0"]) == ["0"]
+
+
+def test_a_sweep_runs_its_trials_on_the_gpus_another_sweep_on_the_host_does_not_hold(tmp_path, monkeypatch,
+                                                                                      claims_here):
+    from study.sweep import SweepOptions, run_sweep
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert _claim(claims_here, 1, 1, ["2"]) == ["2"]  # another sweep's
+    path = write_spec(tmp_path, seeds=[0, 1], axes={"model.norm_position": ["pre"]})
+    options = SweepOptions(results=tmp_path / "results", runner="test_review_sweep:records_its_gpus", workers=1,
+                           estimate_rate=1e11, poll_s=0.3)
+    run_sweep(path, options, say=lambda s: None)
+    seen = [p.read_text() for p in (tmp_path / "results" / "runs").glob("*/seed-*/cuda_visible_devices")]
+    assert seen == ["3", "3"]
+    assert _claim(claims_here, 1, 1, ["3"]) == ["3"]  # released when the sweep ended
+
+
+def test_a_worker_process_that_stops_on_an_error_is_named_with_its_exit_code(tmp_path, caplog):
+    from study.sweep.runner import run_worker_processes
+
+    nothing_here = SweepLayout(tmp_path / "no-sweep")  # no plan.json: the worker process stops at once
+    run_worker_processes(nothing_here, f"sqlite:///{tmp_path}/q.db", 1, worker.WorkerOptions(), [None])
+    assert "worker 1 of 1 (pid" in caplog.text and "stopped with exit code 1" in caplog.text
