@@ -24,14 +24,9 @@ V = 16
 PAD, BOS, EOS = 0, 1, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These models are tiny: a second intra-op thread only adds contention (and, on a busy 2-core machine,
-    # seconds of spinning per decode).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# These models are tiny: a second intra-op thread only adds contention (and, on a busy 2-core machine,
+# seconds of spinning per decode).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def tiny(arch: str = "encoder-decoder", **overrides) -> ModelConfig:

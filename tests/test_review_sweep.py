@@ -21,16 +21,10 @@ from study.sweep.queue import TrialQueue
 from study.sweep.runner import prepare
 from study.sweep.storage import open_storage
 from sweep_fakes import fake_run
-from test_sweep import REPO, TESTS, opts, write_spec
+from test_sweep import REPO, opts, write_spec
 
-LR = {"field": "train.lr", "low": 1e-4, "high": 1e-2, "trials": 2}
-ONE_POINT = {"seeds": [0], "axes": {"model.norm_position": ["pre"]}}
-
-
-@pytest.fixture(autouse=True)
-def _fakes_importable(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("STUDY_FAKE_SLEEP", "0")
+from test_sweep_tuning import (LR, ONE_POINT, _fakes_importable,  # noqa: F401 (an autouse fixture, shared)
+                               _LogsAWorseCurve, two_finished_tuning_trials)
 
 
 class _Finishes:
@@ -152,29 +146,9 @@ def test_a_tuning_trial_reaped_as_it_starts_is_lost_and_the_worker_goes_on_to_fi
     assert sorted(t.state.name for t in tpe.trials) == ["COMPLETE", "COMPLETE", "FAIL"]
 
 
-class _LogsAWorseCurve:
-    def __init__(self, run_dir: str):
-        self.log = Path(run_dir) / "logs" / "metrics.csv"
-
-    def wait(self, timeout=None):
-        if timeout is None:
-            return -9
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self.log.write_text("step,val/loss\n1,4.0\n2,3.5\n")
-        raise __import__("subprocess").TimeoutExpired("trial", timeout)
-
-    def kill(self):
-        pass
-
-
 def test_a_pruned_tuning_trial_reaped_before_it_is_ended_is_lost_not_the_end_of_its_worker(tmp_path, monkeypatch):
     plan, layout, url, queue = _sweep(tmp_path, tune={**LR, "trials": 3, "pruner": "median"}, **ONE_POINT)
-    study = tuning.tune_study(queue, plan, plan["points"][0]["point"])
-    for curve in ([2.0, 1.8], [2.1, 1.9]):  # two finished tuning trials: the median to beat
-        finished = study.ask()
-        for step, value in enumerate(curve, start=1):
-            finished.report(value, step)
-        study.tell(finished, curve[-1])
+    two_finished_tuning_trials(tuning.tune_study(queue, plan, plan["points"][0]["point"]))
     fired = _reaped_at(monkeypatch, queue, url, "status", after=True)
 
     class Launcher:

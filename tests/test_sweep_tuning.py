@@ -195,6 +195,15 @@ def test_a_worker_killed_as_tuning_trials_end_costs_the_point_nothing(tmp_path, 
     assert all(t["status"] == "completed" and "recovered" in t for t in entry["trials"])
 
 
+def two_finished_tuning_trials(study) -> None:
+    """Two tuning trials with their validation curves: the median a pruned trial's curve is held against."""
+    for curve in ([2.0, 1.8], [2.1, 1.9]):
+        finished = study.ask()
+        for step, value in enumerate(curve, start=1):
+            finished.report(value, step)
+        study.tell(finished, curve[-1])
+
+
 class _LogsAWorseCurve:
     """A tuning trial process that logs validation losses above the finished tuning trials' and keeps training."""
 
@@ -218,12 +227,7 @@ def test_a_pruned_tuning_trial_records_its_last_validation_loss_not_an_objective
     plan = read_json(layout.plan_path)
     queue = TrialQueue(open_storage(url), "t", heartbeat_s=1, grace_s=5)
     queue.sync(trial_specs(plan))
-    study = tuning.tune_study(queue, plan, plan["points"][0]["point"])
-    for curve in ([2.0, 1.8], [2.1, 1.9]):  # two finished tuning trials: the median to beat
-        finished = study.ask()
-        for step, value in enumerate(curve, start=1):
-            finished.report(value, step)
-        study.tell(finished, curve[-1])
+    two_finished_tuning_trials(tuning.tune_study(queue, plan, plan["points"][0]["point"]))
 
     class Launcher:
         def start(self, cmd, env, log):

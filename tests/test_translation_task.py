@@ -33,13 +33,8 @@ TEST_SETS = ("test_2016_flickr", "test_2017_flickr", "test_2017_mscoco")
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The models are tiny: on a shared 2-core machine a second intra-op thread only adds contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The models are tiny: on a shared 2-core machine a second intra-op thread only adds contention.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(autouse=True, scope="module")
