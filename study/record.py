@@ -177,6 +177,19 @@ def metric_value(record: dict[str, Any], name: str) -> float | None:
     return float(value)
 
 
+def record_schema(record: dict[str, Any]) -> int:
+    """The schema a record was written with (1 when it names none). A newer schema (a later version of study wrote
+    it) or a damaged value is refused: read as this version's schema, its fields could mean other things (schema 2
+    changed the scale of task metrics), and a table or report would carry the misreading without a word."""
+    raw = record.get("schema", 1)
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= SCHEMA:
+        newer = isinstance(raw, int) and not isinstance(raw, bool) and raw > SCHEMA
+        raise ValueError(f"a metrics.json of schema {raw!r}: this version of study reads schemas 1 to {SCHEMA}"
+                         + ("; it was written by a newer version: upgrade study to read it" if newer else
+                            "; the file is damaged: rerun the run (--force) or remove it"))
+    return raw
+
+
 def flatten_record(record: dict[str, Any]) -> dict[str, Any]:
     """A metrics.json record as one table row: status, steps, ..., `metric.<name>` (nested names joined with '.';
     numbers as floats, 'n/a' and null as NaN) and `cost.<name>`."""
@@ -184,7 +197,7 @@ def flatten_record(record: dict[str, Any]) -> dict[str, Any]:
     for key in ("status", "steps", "diverged_at_step", "train_tokens", "stopped_by"):
         if key in record:
             row[key] = record[key]
-    row["schema"] = int(record.get("schema", 1))
+    row["schema"] = record_schema(record)
     _flatten("metric", record.get("metrics") or {}, row, numeric=True)
     _flatten("cost", record.get("cost") or {}, row, numeric=False)
     return row

@@ -155,3 +155,17 @@ def test_an_atomic_write_syncs_its_folder_after_the_rename(tmp_path, monkeypatch
     study.io.atomic_write_json(tmp_path / "metrics.json", {"status": "completed"})
     assert synced == ["file", "folder"]  # the data, then the rename that makes it the file
     assert json.loads((tmp_path / "metrics.json").read_text()) == {"status": "completed"}
+
+
+def test_a_record_of_a_newer_or_damaged_schema_is_refused_not_read_as_this_versions():
+    """Schema 2 changed the scale of task metrics: a record of a schema this version does not know would be read
+    with the wrong rules (and a damaged `schema` failed with int()'s own message)."""
+    from study.record import SCHEMA, flatten_record, make_record
+
+    record = make_record("completed", {"valid_loss": 1.5}, {}, steps=10)
+    assert flatten_record(record)["schema"] == SCHEMA and flatten_record({"metrics": {}})["schema"] == 1
+    with pytest.raises(ValueError, match=rf"schema {SCHEMA + 1}: .*newer version"):
+        flatten_record({**record, "schema": SCHEMA + 1})
+    for damaged in ("2", 0, True, None):
+        with pytest.raises(ValueError, match="damaged"):
+            flatten_record({**record, "schema": damaged})

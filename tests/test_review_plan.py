@@ -97,3 +97,31 @@ def test_a_pretraining_sweep_over_nsp_refuses_an_nsp_objective(tmp_path):
     text = refused(tmp_path, **PRETRAIN, axes={"model.nsp": [True, False]}, objective={"metric": "valid_nsp_accuracy"})
     assert "model.nsp is false" in text and "valid_nsp_accuracy is never written" in text
     check(plan_of(tmp_path, **PRETRAIN, axes={"model.nsp": [True, False]}, objective={"metric": "valid_mlm_loss"}))
+
+
+def test_a_set_field_that_never_reaches_the_model_is_refused_as_an_axis_value_would_be(tmp_path):
+    """A spec's `set` states the settings every point runs with: a field the task never reads (pretraining has no
+    label smoothing), or a fine-tuning stage's model field that init_from replaces with the pretrained architecture,
+    would be a setting the study names and never ran."""
+    from test_sweep_refusals import EXPERIMENTS, PRETRAIN
+
+    text = refused(tmp_path, base=PRETRAIN["base"], set={**PRETRAIN["set"], "train.label_smoothing": 0.1},
+                   axes={"model.nsp": [True, False]})
+    assert "set: train.label_smoothing does not reach the trained model" in text
+    fp32 = {"train.precision": "32-true"}
+    stages = {"pretrain": {"base": str(EXPERIMENTS / "wikitext2_bert_pretrain_nsp.yaml"), "set": fp32},
+              "glue": {"base": str(EXPERIMENTS / "glue_finetune.yaml"), "init_from": "pretrain",
+                       "set": {**fp32, "model.norm": "rmsnorm"}}}
+    text = refused(tmp_path, stages=stages, axes={"model.nsp": [True, False]})
+    assert "stages.glue.set: glue.model.norm is replaced when the config is resolved (asked 'rmsnorm'" in text
+
+
+def test_a_set_default_that_per_task_settings_override_for_some_tasks_still_plans():
+    """nsp_glue sets the fine-tuning stage's max_steps for the small tasks while per_task gives SST-2 and CoLA their
+    own: a default with exceptions reaches part of the suite, which a `set` may (an axis value may not)."""
+    from test_sweep_refusals import EXPERIMENTS
+
+    from study.sweep import expand, load_spec
+
+    plan = expand(*load_spec(EXPERIMENTS / "sweeps" / "nsp_glue.yaml"))
+    assert not plan.refused and plan.points

@@ -257,6 +257,16 @@ def _unreached(spec: SweepConfig, axes: list[Axis], combos: list[tuple[str, str,
     return problems
 
 
+def _set_paths(spec: SweepConfig) -> dict[str, dict[str, None]]:
+    """The fields the spec's `set` (or each stage's `set`) assigns, as axis paths: a value set there must reach the
+    trained model as an axis value must (a fine-tuning stage's `model.norm` under init_from would not), or the spec
+    would state a setting that never ran."""
+    if spec.stage_names:
+        return {f"stages.{name}.set": {f"{name}.{key}": None for key in (stage.get("set") or {})}
+                for name, stage in spec.stages.items() if stage.get("set")}
+    return {"set": {str(key): None for key in spec.set if key != "name"}} if spec.set else {}
+
+
 def _shared_fields(by_axis: dict[str, dict[str, Any]], by_name: dict[str, Axis], stages: list[str]) -> list[str]:
     """Axes of one point (`by_axis`, in the order their assignments are merged) that set the same field: the later
     one's value replaces the earlier's, so the earlier axis's label would name a value that never ran. Allowed only
@@ -317,8 +327,8 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
             by_axis["tune"] = {spec.tune["field"]: None}
             for problem in _tune_range_problems(spec, bases, assignments):
                 tune_refused.setdefault(problem, []).append(label)
-        for problem in reach.reach_problems(spec, cfg, {f"axes.{k}" if k != "tune" else "tune.field": v
-                                                        for k, v in by_axis.items()}):
+        checked = {f"axes.{k}" if k != "tune" else "tune.field": v for k, v in by_axis.items()}
+        for problem in reach.reach_problems(spec, cfg, checked, _set_paths(spec)):
             if problem not in plan.refused:
                 plan.refused.append(problem)
         digest = content_hash(cfg)

@@ -36,12 +36,15 @@ def field_value(cfg: ExperimentConfig, path: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
-def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, path: str) -> str | None:
-    """Why the value `cfg` holds at axis path `path` would not reach the trained model, or None."""
+def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, path: str,
+                  partly: bool = False) -> str | None:
+    """Why the value `cfg` holds at axis path `path` would not reach the trained model, or None. `partly`: a value
+    that reaches part of the experiment is enough (a `set` default that a suite's per-task settings override for
+    some tasks); an axis value must reach all of it, or its label would not say what ran."""
     stage, field = route(path, spec.stage_names)
     exp = stage_config(cfg, stage)
     task = family(exp.task.name)
-    why = {**task.unread_fields(exp), **task.overridden_fields(exp)}.get(field)
+    why = {**task.unread_fields(exp), **({} if partly else task.overridden_fields(exp))}.get(field)
     if why is not None:
         return f"{path} does not reach the trained model: {why}"
     try:
@@ -55,14 +58,17 @@ def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, pat
 
 
 def reach_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig,
-                   assignments: dict[str, dict[str, Any]]) -> list[str]:
-    """Problems of one point: `assignments` maps each axis (and `tune`) to the fields it sets there."""
+                   assignments: dict[str, dict[str, Any]], stated: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """Problems of one point: `assignments` maps each axis (and `tune`) to the fields it sets there; `stated` each
+    `set` of the spec to the fields it sets, which must reach the model at least in part (a stage's `model.norm`
+    under init_from, or a field the task never reads, would state a setting that never ran)."""
     problems = []
-    for axis, fields in assignments.items():
+    for where, fields, partly in [*((a, f, False) for a, f in assignments.items()),
+                                  *((a, f, True) for a, f in (stated or {}).items())]:
         for path in fields:
-            problem = value_problem(spec, cfg, path)
+            problem = value_problem(spec, cfg, path, partly)
             if problem:
-                problems.append(f"{axis}: {problem}")
+                problems.append(f"{where}: {problem}")
     first = stage_config(cfg, spec.stage_names[0] if spec.stage_names else None)
     if not family(first.task.name).reads_train_seed(first):
         where = f"the {spec.stage_names[0]} stage's " if spec.stage_names else ""

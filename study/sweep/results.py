@@ -181,7 +181,10 @@ def trial_row(plan: dict[str, Any], point: dict[str, Any], seed: int, run_dir: P
     row.update(resolved_fields(plan, point, run, record if record and record.get("status") in FINISHED else None))
     status, error = _status(record, read_json_or_none(run.trial))
     row.update(status=status, attempts=len((read_json_or_none(run.trial) or {}).get("attempts", [])), error=error)
-    flat = flatten_record(record or {})
+    try:
+        flat = flatten_record(record or {})
+    except ValueError as err:  # a record this version cannot read: said with its file, not misread
+        raise ValueError(f"{run.metrics}: {err}") from None
     flat.pop("status", None)
     row.update({k: flat.get(k) for k in ("steps", "diverged_at_step", "train_tokens", "stopped_by")})
     row.update({k: v for k, v in flat.items() if k.startswith(("metric.", "cost."))})
