@@ -604,6 +604,10 @@ def _numbers_section(doc: Doc, numbers: pd.DataFrame, measurements_note: list[st
           f"{SIZE_FACTOR:g}x in parameters where both are known). Every other row "
           "says what differs and is shown for orientation only. n counts what varies in our runs, as each source "
           "says (seeds; a GLUE record's fine-tuning seeds); one value has no interval.")
+    if numbers["ours"].astype(str).str.contains(", best variant").any():
+        doc.p("A sweep's *best variant* is the one whose mean over its seeds is best, chosen on the very seeds it is "
+              "shown with: its number is optimistic (the pick favours whichever variant the seeds' noise helped). "
+              "Whether a variant beats the baseline is the paired verdict in the sweep's report, not this row.")
     rows = []
     for _, r in numbers.iterrows():
         rows.append([r["ours"], f"{r['key']} ({r['split']})", _ours_text(r), f"{r['published_printed']}",
