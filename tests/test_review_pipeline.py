@@ -173,3 +173,13 @@ def test_a_forced_suite_keeps_its_old_record_on_bad_input_and_drops_it_once_it_r
         run_experiment(ExperimentConfig.from_dict({**glue, "train": {**glue["train"], "lr": 1e-2}}), suite,
                        data_dir=data, cache_dir=tmp_path / "c", force=True)
     assert not (suite / "metrics.json").exists()
+
+
+def test_a_forced_pipeline_rerun_replaces_its_record(data, tmp_path):
+    """--force on a finished pipeline reruns it: its old record is removed as the rerun starts and a new one written."""
+    cfg = PipelineConfig.from_dict({"name": "again", "stages": {
+        "pretrain": pretrain_stage(), "glue": glue_stage(finetune_seeds=[0])}})
+    run_experiment(cfg, tmp_path / "p", data_dir=data, cache_dir=tmp_path / "c")
+    first = (tmp_path / "p" / "metrics.json").stat().st_mtime_ns
+    record = run_experiment(cfg, tmp_path / "p", data_dir=data, cache_dir=tmp_path / "c", force=True)
+    assert record["status"] == "completed" and (tmp_path / "p" / "metrics.json").stat().st_mtime_ns > first

@@ -59,7 +59,7 @@ def run_dir_lock(directory: str | Path) -> Iterator[None]:
     directory, so a shared stage and a sweep trial of that stage's config take the same lock. flock: the kernel
     releases it when its holder dies, so a killed worker never leaves it held. Only rank zero locks: the other
     ranks of a DDP run are started by rank zero while it holds the lock, and waiting for it would deadlock them."""
-    from study.run.single import discard_result, launch_rank
+    from study.run.single import launch_rank
 
     if launch_rank() != 0:
         yield
@@ -81,7 +81,7 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     `stage_root`: where shared stages live (a sweep passes its results/runs); default `<run_dir>/stages`."""
     from study.run import run_experiment
     from study.run.environment import prepare_training_process, snapshot
-    from study.run.single import launch_rank
+    from study.run.single import discard_result, launch_rank
 
     run = RunDir(run_dir)
     cfg = resolved_precision(cfg)
