@@ -13,12 +13,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Iterator
 
 
 def _path_problems(data_dir: str | None = None, *out_dirs: tuple[str, str | None]) -> list[str]:
@@ -90,27 +88,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def _held(run_dir: Path) -> Iterator[None]:
-    """Hold the run directory's lock (the one a sweep's trial and a pipeline's stage take: a hidden file beside it)
+def _held(run_dir: Path):
+    """The run directory's lock (the one a sweep's trial and a pipeline's stage take: study.run.pipeline.run_dir_lock)
     while `study run` runs it: two processes training into one directory would interleave their checkpoints, logs
-    and records. A second `study run` is refused at once rather than left waiting. Only rank zero locks: the other
-    ranks of a DDP run are started by it while it holds the lock."""
-    from study.io import exclusive_lock
+    and records. A second `study run` is refused at once rather than left waiting."""
     from study.run import RunDirConflict
-    from study.run.single import launch_rank
+    from study.run.pipeline import run_dir_lock
 
-    if launch_rank() != 0:
-        yield
-        return
     run_dir = Path(os.path.abspath(run_dir))
 
     def taken() -> None:
         raise RunDirConflict(f"{run_dir} is being run by another process (a `study run` or a sweep's trial); wait for "
                              "it to end, or choose another --out")
 
-    with exclusive_lock(run_dir.parent / f".{run_dir.name}.lock", on_wait=taken):
-        yield
+    return run_dir_lock(run_dir, on_wait=taken)
 
 
 def _resumes_from(run_dir: Path) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from study.io import load_yaml, read_json_or_none
-from study.record import COMPLETED, flatten_record
+from study.record import COMPLETED, flatten_record, record_schema
 from study.report.collect import SweepResults, metric_column
 from study.report.stats import mean_ci
 
@@ -324,7 +324,7 @@ def sweep_measurements(results: SweepResults) -> list[Measurement]:
 def glue_seed_values(record: dict) -> dict[str, list[float]]:
     """A GLUE record's per-fine-tuning-seed values by column (`metric.SST-2/accuracy` -> [one per completed
     seed]): schema 2's `parts`, schema 1's `metrics.tasks`, the latter's fractions put on 0-100 by its rule."""
-    schema = int(record.get("schema", 1))
+    schema = record_schema(record)
     parts = record.get("parts") if schema >= 2 else (record.get("metrics") or {}).get("tasks")
     out: dict[str, list[float]] = {}
     for task, part in (parts or {}).items():
@@ -404,7 +404,7 @@ def run_source(run: Run) -> Source:
     task_cfg = run.config.get("task") or {}
     near = run.path.parent if run.path.is_file() else run.path
     variant = record_model_variant(run.task, run.record, run.config, near)
-    schema = int(run.record.get("schema", 1))
+    schema = record_schema(run.record)
     if run.task != "glue":
         return Source(f"run {run.label} (one seed)", run.table, task_cfg, run.task,
                       str(task_cfg.get("dataset") or run.label), variant, schema=schema)

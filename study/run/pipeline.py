@@ -20,7 +20,7 @@ import hashlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from study.config import ConfigError, PipelineConfig, content_hash
 from study.config.pipeline import stage_ref
@@ -53,12 +53,13 @@ def stage_dir(cfg: PipelineConfig, name: str, run_dir: Path, stage_root: Path) -
 
 
 @contextlib.contextmanager
-def run_dir_lock(directory: str | Path) -> Iterator[None]:
+def run_dir_lock(directory: str | Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
     """An exclusive lock on a run directory while one process runs it: two sweeps that share a point, or two
     pipelines that share a stage, take turns, and the second finds the run finished. The lock file sits beside the
     directory, so a shared stage and a sweep trial of that stage's config take the same lock. flock: the kernel
     releases it when its holder dies, so a killed worker never leaves it held. Only rank zero locks: the other
-    ranks of a DDP run are started by rank zero while it holds the lock, and waiting for it would deadlock them."""
+    ranks of a DDP run are started by rank zero while it holds the lock, and waiting for it would deadlock them.
+    `on_wait`: called when another process holds it (default: a warning, then wait; raise in it to refuse)."""
     from study.run.single import launch_rank
 
     if launch_rank() != 0:
@@ -69,7 +70,7 @@ def run_dir_lock(directory: str | Path) -> Iterator[None]:
     def waiting() -> None:  # say why this trial does nothing for a while (its log is read to find out)
         log.warning("%s is being run by another process; waiting for it to finish", directory)
 
-    with exclusive_lock(directory.parent / f".{directory.name}.lock", on_wait=waiting):
+    with exclusive_lock(directory.parent / f".{directory.name}.lock", on_wait=on_wait or waiting):
         yield
 
 
