@@ -695,6 +695,34 @@ def main(argv: list[str] | None = None) -> int:
     bf16_native = max(gemm["bf16"].values()) >= 0.5 * max(gemm["fp32"].values())
     env["bf16_native_matmul"] = bf16_native
 
+    suffix = "-" + torch.cuda.get_device_name().split()[-1].lower() if on_gpu else ""
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"throughput-{now:%Y-%m-%d}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    gemm_record = {"start": gemm}
+
+    def save(records: list, complete: bool) -> float:
+        wall = time.perf_counter() - t_start
+        payload = {
+            "env": env,
+            "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "shape": {"batch": BATCH, "seq_len": SEQ, "vocab": VOCAB, "sizes": SIZES},
+            "gemm_gflops": gemm_record,
+            "flops_formula": "study.model.accounting.flops_per_token(cfg, T, training=True) = 3 * (2 * N_matmul + "
+                             "4 * L * n_heads * head_dim * (T + 1) / 2) per token; tokens per step = B * T",
+            "memory_method": (
+                "torch.cuda.max_memory_allocated over the training steps minus memory_allocated before them" if on_gpu
+                else "fresh subprocess per contestant: RSS after building model + optimizer + batch, then the kernel "
+                     "high-water mark (VmHWM, reset via /proc/self/clear_refs) over the training steps; "
+                     "step_peak_mb = peak - base"),
+            "complete": complete,  # false: the run stopped before its last cell
+            "records": records,
+            "wall_s": wall,
+        }
+        partial = out.with_suffix(".partial")
+        partial.write_text(json.dumps(payload, indent=1, default=str))
+        partial.replace(out)
+        return wall
+
     records = []
     for dtype in dtypes:
         for arch in archs:
@@ -706,30 +734,11 @@ def main(argv: list[str] | None = None) -> int:
                     records.append({"arch": arch, "size": size, "dtype": dtype, "skipped": reason})
                     continue
                 records.append(measure(arch, size, dtype, args, gemm))
+                save(records, complete=False)  # a run stopped by a lease's time limit keeps the cells it measured
     n_end = 8192 if on_gpu else 2048
-    gemm_end = {"fp32": {n_end: round(gemm_rate(torch.float32, n_end, device=device), 1)}}
+    gemm_record["end"] = {"fp32": {n_end: round(gemm_rate(torch.float32, n_end, device=device), 1)}}
     env["loadavg_end"] = load()
-    wall = time.perf_counter() - t_start
-
-    suffix = "-" + torch.cuda.get_device_name().split()[-1].lower() if on_gpu else ""
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"throughput-{now:%Y-%m-%d}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "env": env,
-        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-        "shape": {"batch": BATCH, "seq_len": SEQ, "vocab": VOCAB, "sizes": SIZES},
-        "gemm_gflops": {"start": gemm, "end": gemm_end},
-        "flops_formula": "study.model.accounting.flops_per_token(cfg, T, training=True) = 3 * (2 * N_matmul + "
-                         "4 * L * n_heads * head_dim * (T + 1) / 2) per token; tokens per step = B * T",
-        "memory_method": (
-            "torch.cuda.max_memory_allocated over the training steps minus memory_allocated before them" if on_gpu
-            else "fresh subprocess per contestant: RSS after building model + optimizer + batch, then the kernel "
-                 "high-water mark (VmHWM, reset via /proc/self/clear_refs) over the training steps; "
-                 "step_peak_mb = peak - base"),
-        "records": records,
-        "wall_s": wall,
-    }
-    out.write_text(json.dumps(payload, indent=1, default=str))  # before the table: a table bug never costs the run
+    wall = save(records, complete=True)  # before the table: a table bug never costs the run
     print("\n" + table(records, gemm))
     memory_note = ("peak CUDA allocation" if on_gpu else "peak RSS") + " over the model+optimizer baseline"
     print(f"\ntok/s from the median step; ratios = median over rounds of per-round ratios; MB = {memory_note} "

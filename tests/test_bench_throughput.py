@@ -25,7 +25,9 @@ def test_each_contestant_runs_in_its_own_process_and_reports_its_faults(tmp_path
     argv = ["--archs", "llama", "--sizes", "5M", "--dtypes", "fp32", "--impls", "ours,hf", "--rounds", "2",
             "--steps", "1", "--warmup", "1", "--rewarm", "0", "--no-memory", "--threads", "1", "--out", str(out)]
     assert throughput.main(argv) == 0
-    (rec,) = json.loads(out.read_text())["records"]
+    payload = json.loads(out.read_text())
+    (rec,) = payload["records"]
+    assert payload["complete"] is True
     assert rec["protocol"]["processes"] == "one per contestant"
     assert rec["params_match"] and rec["weights_copied_from_hf"]
     assert rec["equivalence_fp32"]["max_abs_logit_diff"] < 1e-4  # checked in this process before the contestants start
@@ -42,3 +44,25 @@ def test_a_contestant_that_dies_is_named():
                                          compile=False)
     with pytest.raises(RuntimeError, match="contestant ours exited with code 1"):
         throughput.ContestantProcess("ours", "llama", "1T", "fp32", args)  # no such size: it dies building
+
+
+def test_a_run_stopped_midway_keeps_the_cells_it_measured(tmp_path, monkeypatch, keep_torch_threads):
+    """A lease's time limit can stop the benchmark between cells: the record on disk then holds every finished
+    cell and says it is not complete."""
+    class Stopped(BaseException):
+        pass
+
+    def measure(arch, size, dtype, args, gemm):
+        if size == "20M":
+            raise Stopped
+        return {"arch": arch, "size": size, "dtype": dtype}
+
+    monkeypatch.setattr(throughput, "measure", measure)
+    monkeypatch.setattr(throughput, "machine_gemm", lambda dtypes, device: {"fp32": {64: 1.0}, "bf16": {64: 1.0}})
+    out = tmp_path / "tp.json"
+    with pytest.raises(Stopped):
+        throughput.main(["--archs", "llama", "--sizes", "5M,20M", "--dtypes", "fp32", "--threads", "1",
+                         "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["complete"] is False
+    assert [(r["size"], r["dtype"]) for r in payload["records"]] == [("5M", "fp32")]

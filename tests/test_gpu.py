@@ -8,9 +8,10 @@
   backward does on the build is allowed, measured beside it (none on torch 2.11). tests/test_step_ledger.py counts
   the same reads on a CPU, where nothing waits.
 - A float32 run trains its matmuls in TF32 and says so in env.json.
+- A killed run resumes its CUDA dropout stream from its checkpoint: it logs the uninterrupted run's losses.
 
 Set STUDY_GPU_RECORD to a folder to have the kernel table and the syncs seen written there as JSON; the H200 run is in
-bench/results/gpu-2026-11-26/ (bench/gpu_lease.sh runs this file with the other GPU checks).
+bench/results/gpu-2026-11-26/ and gpu-2026-11-27/ (bench/gpu_lease.sh runs this file with the other GPU checks).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from study.config import preset
 from study.model import build_model
 from study.tasks.lm import LanguageModelling, LMDataModule, LMModule
-from tests.test_lm_task import make_cfg, run, write_corpus
+from tests.test_lm_task import column_by_step, kill_during_step_9, make_cfg, read_csv, run, write_corpus
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -267,3 +268,37 @@ def test_beam_search_on_the_gpu_returns_the_cpu_hypotheses(n_kv_heads):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
     assert gpu == cpu
+
+
+def _resume_gaps(tmp_path, monkeypatch, accelerator: str, rng_module) -> tuple[float, float]:
+    """The largest train-loss difference over steps 6-11 between an uninterrupted 12-step run with dropout and (a) the
+    same run killed during step 9 and resumed from its step-6 checkpoint, (b) that resume with `rng_module.set_rng_state`
+    (torch's or torch.cuda's) made to do nothing, so the stream is not restored."""
+    write_corpus(tmp_path / "data")
+    corpus = {"root": tmp_path, "data": tmp_path / "data", "cache": tmp_path / "cache"}
+    cfg = make_cfg(model={"dropout": 0.1, "attention_dropout": 0.1},
+                   train={"accelerator": accelerator, "precision": "32-true", "log_every": 1})
+    run(corpus, cfg, "whole")
+    kill_during_step_9(corpus, cfg, "resumed", monkeypatch)
+    run(corpus, cfg, "resumed")
+    kill_during_step_9(corpus, cfg, "stream-not-restored", monkeypatch)
+    with monkeypatch.context() as mp:
+        mp.setattr(rng_module, "set_rng_state", lambda *a, **k: None)
+        run(corpus, cfg, "stream-not-restored")
+
+    def losses(name):
+        rows = column_by_step(read_csv(tmp_path / name / "logs" / "metrics.csv"), "train/loss")
+        return {s: float(v) for s, v in rows.items() if s >= 6}
+
+    whole = losses("whole")
+    assert sorted(whole) == list(range(6, 12))
+    return tuple(max(abs(losses(name)[s] - whole[s]) for s in whole) for name in ("resumed", "stream-not-restored"))
+
+
+def test_a_killed_gpu_run_resumes_the_cuda_dropout_stream_it_saved(tmp_path, monkeypatch):
+    """Dropout on a GPU draws from the CUDA generator, which a checkpoint saves beside the CPU one: a run killed after
+    its step-6 checkpoint and run again logs the uninterrupted run's losses at steps 6-11 (up to GPU float rounding),
+    where the same resume with the CUDA stream left unrestored departs from them by far more."""
+    resumed, unrestored = _resume_gaps(tmp_path, monkeypatch, "gpu", torch.cuda)
+    _record("resume_gaps.json", {"resumed": resumed, "cuda_stream_not_restored": unrestored})
+    assert resumed <= 1e-4 and unrestored > 100 * max(resumed, 1e-6), (resumed, unrestored)
