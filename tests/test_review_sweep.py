@@ -279,3 +279,14 @@ def test_a_worker_process_that_stops_on_an_error_is_named_with_its_exit_code(tmp
     nothing_here = SweepLayout(tmp_path / "no-sweep")  # no plan.json: the worker process stops at once
     run_worker_processes(nothing_here, f"sqlite:///{tmp_path}/q.db", 1, worker.WorkerOptions(), [None])
     assert "worker 1 of 1 (pid" in caplog.text and "stopped with exit code 1" in caplog.text
+
+
+def test_a_stale_heartbeat_from_another_host_names_clock_skew_as_a_cause():
+    """A heartbeat's age compares two hosts' clocks: the reason a trial is reaped says so when its worker is elsewhere."""
+    import socket
+
+    from study.sweep.queue import _stale_reason
+
+    elsewhere = _stale_reason(75.2, "gpu-node-7:4242")
+    assert elsewhere.startswith("no heartbeat for 75 s") and "gpu-node-7" in elsewhere and "clock" in elsewhere
+    assert _stale_reason(75.2, f"{socket.gethostname()}:4242") == "no heartbeat for 75 s"

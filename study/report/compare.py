@@ -6,9 +6,13 @@ Two comparisons:
   under a `match` key (`tinyshakespeare:loss`, `multi30k:de-en:bleu`, `glue:qnli:accuracy`, ...) beside the
   published rows with that key. A pair is *comparable* only when the metric variant (`variant_key`: scorer,
   tokenization, casing, unit), the split and the model variant (`model_variant`: trained from scratch, pretrained
-  with MLM + NSP or MLM only, randomly initialised) and the model size (within 2x in parameters) are the same;
-  otherwise the row says what differs. Size and training compute (where the publication gives it) are stated as
-  ratios.
+  with MLM + NSP or MLM only, randomly initialised) and the model size (within 2x in parameters) are the same, and,
+  where the published row states them (published.csv's `context` and `selection`), the evaluation context (tokens
+  per window: our Measurement.context, the run's task.seq_len) and which model is reported (ours: the model at the
+  end of training; `best`: the best validation value over training, picked on the split it reports), and ours covers
+  the whole split (a language model's task.eval_tokens can cut its evaluation to the split's first tokens:
+  Measurement.eval_subset); otherwise the row says what differs. Size and training compute (where the publication
+  gives it) are stated as ratios.
 * effects: for each published ablation effect whose axis the sweep varies, on a metric of ours that measures the
   quantity the publication states the direction for (effects.csv's `metric`: a perplexity direction is never judged
   on BLEU) and on cells that hold the other axes where the publication held them (effects.csv's `held`, checked
@@ -55,7 +59,7 @@ from study.report.measure import (  # noqa: F401  (re-exported: the comparison's
     sweep_measurements,
 )
 from study.report.published import EFFECT_METRICS, load_effects, load_published
-from study.report.stats import ALPHA, POWER, holm_adjust, paired_difference
+from study.report.stats import ALPHA, NO_SPREAD_TEST, POWER, holm_adjust, paired_difference
 
 BY_CONSTRUCTION = "by construction"
 COUNTED = ("agree", "disagree")  # the verdicts that claim something, and that Holm's correction may withdraw
@@ -101,10 +105,57 @@ def _same_metric_variant(m: Measurement, pub: pd.Series) -> bool:
     return keys[0] == keys[1] and not any("unspecified" in k.split(":") for k in keys)
 
 
+# Which model a number is of (published.csv's `selection`; empty: not stated). Every record of ours is the model at
+# the end of training: study.run.single computes the final metrics after fit (the EMA weights where train.ema_decay
+# is set), never at a checkpoint picked by a validation score. A best-over-training value picked on the split it
+# reports is biased low (the minimum of noisy evaluations), so it is another number than a final one.
+OUR_SELECTION = "final"
+SELECTION_WORDS = {"final": "the model at the end of training",
+                   "best": "the best validation value over training, picked on the split it reports"}
+
+
+def _published_context(pub: pd.Series) -> int | None:
+    """published.csv's `context`: the tokens per evaluation window the number is measured at (None: not stated)."""
+    value = pd.to_numeric(str(pub.get("context", "") or ""), errors="coerce")
+    return int(value) if pd.notna(value) else None
+
+
+def _same_context(context: int | None, pub: pd.Series) -> bool:
+    """The same evaluation context, or not stated on one side (then the sentence says so)."""
+    theirs = _published_context(pub)
+    return theirs is None or context is None or context == theirs
+
+
+def _same_selection(pub: pd.Series) -> bool:
+    return str(pub.get("selection", "") or "") in ("", OUR_SELECTION)
+
+
+def _setting_differences(m: Measurement, pub: pd.Series) -> tuple[list[str], list[str]]:
+    """(differences, notes) in what the number is read at: the evaluation context (ours: task.seq_len tokens per
+    window; a longer context lowers a language model's loss), which model is reported (see OUR_SELECTION) and what
+    part of the split it covers (ours: Measurement.eval_subset; a published number is taken to cover its split)."""
+    parts, notes = [], []
+    theirs = _published_context(pub)
+    if theirs is not None and m.context is None:
+        notes.append(f"our evaluation context not known (published: {theirs} tokens)")
+    elif not _same_context(m.context, pub):
+        parts.append(f"different evaluation context (ours: {m.context} tokens per window; published: {theirs})")
+    if not _same_selection(pub):
+        selection = str(pub["selection"])
+        parts.append(f"different model reported (ours: {SELECTION_WORDS[OUR_SELECTION]}; published: "
+                     f"{SELECTION_WORDS.get(selection, selection)})")
+    if m.eval_subset:
+        parts.append(f"only part of the split evaluated (ours: {m.eval_subset}, as task.eval_tokens sets; "
+                     "published: the whole split)")
+    return parts, notes
+
+
 def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
     """(comparable, sentence): comparable only when the metric variant (known on both sides), the split, the model
-    variant (where the published row states one) and the size (within a factor SIZE_FACTOR in parameters, where both
-    are known) are the same; otherwise every difference is named, and a size not known is never called the same."""
+    variant (where the published row states one), the size (within a factor SIZE_FACTOR in parameters, where both
+    are known), the part of the split evaluated (ours: the whole split) and, where the published row states them,
+    the evaluation context (ours: m.context, task.seq_len) and the model reported (final or best) are the same;
+    otherwise every difference is named, and a size or context not known is never called the same."""
     same_variant = _same_metric_variant(m, pub)
     same_split = m.split.lower() == str(pub["split"]).lower()
     same_model = _same_model_variant(m, pub)
@@ -117,12 +168,14 @@ def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
         parts.append(f"{what} metric variant (ours: {m.variant_words}; published: {pub['metric_variant']})")
     if not same_split:
         parts.append(f"different split (ours: {m.split}; published: {pub['split']})")
+    setting, notes = _setting_differences(m, pub)
+    parts += setting
     same_size, pub_params = _same_size(m, pub), _published_params(pub)
     if not same_size:
         parts.append(f"different size (parameters ours/published {_ratio(m.params, pub_params)})")
-    comparable = same_variant and same_split and same_model and same_size
+    comparable = same_variant and same_split and same_model and same_size and not setting
     size_known = math.isfinite(_size(m, pub))
-    notes = [] if size_known else ["size not known on both sides"]
+    notes += [] if size_known else ["size not known on both sides"]
     if "community" in str(pub["verification"]).lower():
         notes.append("community result, not a peer-reviewed number")
     elif "secondary" in str(pub["verification"]).lower():
@@ -134,6 +187,8 @@ def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
 
 
 def compare_numbers(measurements: list[Measurement], published: pd.DataFrame) -> pd.DataFrame:
+    """Each published row beside each of our measurements filed under its `match` key (those on its split where
+    any are), with the comparability stated."""
     rows = []
     by_key: dict[str, list[Measurement]] = {}
     for m in measurements:
@@ -158,6 +213,10 @@ def compare_numbers(measurements: list[Measurement], published: pd.DataFrame) ->
                 "same_metric_variant": _same_metric_variant(m, pub),
                 "same_split": m.split.lower() == str(pub["split"]).lower(),
                 "same_model_variant": _same_model_variant(m, pub), "same_size": _same_size(m, pub),
+                "our_context": m.context, "published_context": _published_context(pub),
+                "same_context": _same_context(m.context, pub), "our_selection": OUR_SELECTION,
+                "published_selection": str(pub.get("selection", "") or ""), "same_selection": _same_selection(pub),
+                "our_eval_subset": m.eval_subset, "same_eval_subset": not m.eval_subset,
                 "comparable": comparable,
                 "comparability": text, "size_ratio": _ratio(m.params, _published_params(pub)),
                 "compute_ratio": _ratio(m.train_flops, pub_flops) if math.isfinite(pub_flops) else "not published",
@@ -418,12 +477,21 @@ def _our_difference(results: SweepResults, e: pd.Series, pair: CellPair) -> tupl
     return task, col, spec, d, d.verdict
 
 
+def _constructed_direction(d) -> str:
+    """A cost computed from the config: its direction is the sign of the mean difference, not a test's verdict (it
+    differs alike on every seed, so a test has no spread to work with; the row is never counted as evidence)."""
+    if d.diff.mean == 0:
+        return "same"
+    return "better" if (d.diff.mean < 0) == (d.direction == "minimize") else "worse"
+
+
 def _effect_row(results: SweepResults, e: pd.Series, pair: CellPair) -> dict:
     """One tested effect on one pair of cells: our paired difference on the declared metric beside the published
     direction."""
     task, col, spec, d, ours = _our_difference(results, e, pair)
     done = results.completed(task)
     constructed = spec is not None and spec.by_construction and d is not None and d.diff.n > 0
+    ours = _constructed_direction(d) if constructed else ours
     split, metric = _split_of(col), (col or e["our_metric"]).removeprefix("metric.")
     return {
         "effect_id": e["effect_id"], "axis": e["axis"], "baseline": e["baseline"], "variant": e["variant"],
@@ -440,6 +508,7 @@ def _effect_row(results: SweepResults, e: pd.Series, pair: CellPair) -> dict:
         "our_sd": d.diff.sd if d else math.nan,
         "our_ratio": _ratio(_mean(done, pair.variant, col), _mean(done, pair.baseline, col)) if constructed else "",
         "p_value": d.p_value if d is not None and not constructed else math.nan,
+        "our_test": d.test if d is not None and not constructed else "",
         **_power_columns(e, spec, d),
         "our_direction": ours,
         "verdict": BY_CONSTRUCTION if constructed else _effect_verdict(e["published_direction"], ours),
@@ -508,7 +577,17 @@ class Comparison:
     markdown: Path | None = None
 
 
+def _no_spread(r) -> bool:
+    """Pairs whose differences are all equal (stats.PairedDifference.no_spread): no interval, an exact sign-flip p;
+    a cost computed from the config (by construction) differs alike on every seed."""
+    return r["our_n_pairs"] >= 2 and r["our_sd"] == 0
+
+
 def _ci_text(r) -> str:
+    if _no_spread(r) and r["verdict"] == BY_CONSTRUCTION:
+        return "(equal on every seed: computed from the config)"
+    if _no_spread(r):
+        return f"(no spread: {r['our_n_pairs']} equal differences, no interval)"
     return f"[{fmt(r['our_ci_lo'], 'signed')}, {fmt(r['our_ci_hi'], 'signed')}]"
 
 
@@ -525,10 +604,20 @@ def _p_text(p: float) -> str:
     return "–" if not math.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
 
 
+def _effect_p_text(r) -> str:
+    return _p_text(r["p_value"]) + (" (exact sign-flip)" if r.get("our_test") == NO_SPREAD_TEST else "")
+
+
 def _power_text(r) -> str:
     """For an inconclusive (or consistent) effect: the smallest difference its seeds could have detected, and
-    whether the published effect (in the same units) exceeds it."""
-    if r["verdict"] not in ("inconclusive", "consistent") or not math.isfinite(r["our_mde"]):
+    whether the published effect (in the same units) exceeds it; with no spread, why there is no such number."""
+    if r["verdict"] not in ("inconclusive", "consistent"):
+        return ""
+    if r.get("our_test") == NO_SPREAD_TEST:
+        return (f"no smallest detectable difference: the {r['our_n_pairs']} paired differences are equal (no spread), "
+                f"and the exact sign-flip p of n equal differences is 2^(1-n) whatever their size (below {ALPHA:g} "
+                "only from 6 pairs on)")
+    if not math.isfinite(r["our_mde"]):
         return ""
     text = f"smallest detectable difference {fmt(r['our_mde'])}" + (f" ({r['our_scale']})" if r["our_scale"] else "")
     size = fmt(r["published_effect"], "signed")
@@ -572,8 +661,13 @@ def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
           f"detected ({POWER:.0%} power, two-sided α = 0.05, from the sd of the paired differences: "
           "(t₀.₉₇₅,ₙ₋₁ + t₀.₈₀,ₙ₋₁) · sd / √n), and whether an effect of the published size exceeds it where the "
           "published effect is in our units (GLUE dev metrics, points on 0-100).")
+    if (effects.get("our_test", pd.Series(dtype=str)) == NO_SPREAD_TEST).any():
+        doc.p("*No spread*: where every seed pair differs by the same amount, the t-test is degenerate (sd 0: an "
+              "infinite t, a p of 0) and there is no interval; the p-value is the exact two-sided sign-flip test's "
+              "(Fisher 1935, *The Design of Experiments*, §21), 2¹⁻ⁿ for n equal non-zero differences (0.5 for 2 "
+              "pairs; below 0.05 only from 6 pairs on), and the verdict and Holm's step use that p.")
     glance = [[_effect_label(r), r["citation"], r["published_direction"],
-               _ours_effect_text(r), _p_text(r["p_value"]), f"**{r['verdict']}**", r["holm_verdict"]]
+               _ours_effect_text(r), _effect_p_text(r), f"**{r['verdict']}**", r["holm_verdict"]]
               for _, r in effects.iterrows()]
     doc.table(["effect", "citation", "published: variant is", "ours: variant is (Δ, 95% CI)", "p (paired t)",
                "verdict (95%)", f"Holm (family of {family})"], glance, align="lllllll")
@@ -600,8 +694,11 @@ def _numbers_section(doc: Doc, numbers: pd.DataFrame, measurements_note: list[st
         return
     n_comp = int(numbers["comparable"].sum())
     doc.p(f"{len(numbers)} pairs; {n_comp} directly comparable (same metric variant, split and model variant: "
-          "trained from scratch, pretrained with MLM + NSP or MLM only, or randomly initialised; and a size within "
-          f"{SIZE_FACTOR:g}x in parameters where both are known). Every other row "
+          "trained from scratch, pretrained with MLM + NSP or MLM only, or randomly initialised; a size within "
+          f"{SIZE_FACTOR:g}x in parameters where both are known; ours computed on the whole split, where a language "
+          "model's task.eval_tokens may cut its evaluation to the split's first tokens; and, where the published row "
+          "states them, the same evaluation context and the same model reported: ours is always the model at the end "
+          "of training, never the best validation value over training). Every other row "
           "says what differs and is shown for orientation only. n counts what varies in our runs, as each source "
           "says (seeds; a GLUE record's fine-tuning seeds); one value has no interval.")
     if numbers["ours"].astype(str).str.contains(", best variant").any():

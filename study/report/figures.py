@@ -33,7 +33,7 @@ from study.report.figure_layout import (
     pin_beyond,
     readable_axes,
 )
-from study.report.stats import finite, mean_ci, paired_differences, pareto_front, summarize
+from study.report.stats import NO_SPREAD_TEST, finite, mean_ci, paired_differences, pareto_front, summarize
 
 COSTS = (  # column, axis label, better (from study.record.COSTS' declared direction)
     ("cost.train_tokens_per_s", "training throughput"),
@@ -186,10 +186,21 @@ def plot_metric_by_variant(done: pd.DataFrame, variants: list[tuple[str, str]], 
 VERDICT_COLOURS = {"better": "#1b7837", "worse": "#b2182b", "inconclusive": "0.45"}
 
 
+def _paired_text(r: pd.Series) -> str:
+    """A paired row's label beside its point: the verdict and n, and for differences with no spread the test the
+    verdict follows instead of an interval ('inconclusive (n=2, no spread: sign-flip p 0.5)')."""
+    n = int(r["n_pairs"])
+    if r.get("test") == NO_SPREAD_TEST:
+        return f"{r['verdict']} (n={n}, no spread: sign-flip p {r['p_value']:.3g})"
+    return f"{r['verdict']} (n={n})"
+
+
 def plot_paired_differences(paired: pd.DataFrame, title: str, xlabel: str, direction: str) -> Figure:
     """Each variant's mean paired difference from the baseline (same seeds) with its 95% t interval: the verdicts'
     own numbers, drawn. Green: better, red: worse (the interval excludes zero), grey: inconclusive; a variant without
-    pairs or with one pair (no interval) is named at zero."""
+    pairs or with one pair (no interval) is named at zero. Pairs whose differences are all equal (`test` is
+    stats.NO_SPREAD_TEST) have no interval either: the point stands alone, labelled 'no spread' with the exact
+    sign-flip p its verdict follows (2^(1-n): green or red only from 6 pairs on)."""
     rows = paired.reset_index(drop=True)
     fig, (ax,) = _new(width=7.2, height=max(2.4, 0.42 * len(rows) + 1.4))
     series = []
@@ -202,7 +213,7 @@ def plot_paired_differences(paired: pd.DataFrame, title: str, xlabel: str, direc
         has_ci = np.isfinite(r["ci_lo"]) and np.isfinite(r["ci_hi"])
         xerr = [[r["diff"] - r["ci_lo"]], [r["ci_hi"] - r["diff"]]] if has_ci else None
         ax.errorbar([r["diff"]], [y], xerr=xerr, fmt="o", color=colour, ms=6, capsize=4, elinewidth=1.8)
-        ax.annotate(f"{r['verdict']} (n={int(r['n_pairs'])})", (r["ci_hi"] if has_ci else r["diff"], y),
+        ax.annotate(_paired_text(r), (r["ci_hi"] if has_ci else r["diff"], y),
                     textcoords="offset points", xytext=(6, 0), va="center", fontsize=7, color=colour)
         series.append(label)
     ax.axvline(0, color=BASELINE_COLOUR, lw=0.9, ls="--")

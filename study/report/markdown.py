@@ -17,7 +17,16 @@ import pandas as pd
 from study.record import COSTS
 from study.report.collect import Declaration, SweepResults, at_2x_column, metric_column, metric_name
 from study.report.figures import FigureInfo
-from study.report.stats import ALPHA, finite, holm_adjust, paired_differences, small_n_note, summarize, t_critical
+from study.report.stats import (
+    ALPHA,
+    NO_SPREAD_TEST,
+    finite,
+    holm_adjust,
+    paired_differences,
+    small_n_note,
+    summarize,
+    t_critical,
+)
 
 COST_COLUMNS = (  # column, header, formatter
     ("cost.parameters", "params", "int"),
@@ -447,6 +456,36 @@ def _p_text(p: float) -> str:
     return "–" if not math.isfinite(p) else "<0.0001" if p < 1e-4 else f"{p:.4f}"
 
 
+def _no_spread(r) -> bool:
+    return r.get("test") == NO_SPREAD_TEST
+
+
+def _paired_ci_text(r) -> str:
+    """A paired row's interval: '–' below two pairs; with no spread, no interval and why (never [d, d])."""
+    if r["n_pairs"] < 2:
+        return "–"
+    if _no_spread(r):
+        return f"none: no spread ({r['n_pairs']} equal differences)"
+    return f"[{fmt(r['ci_lo'], 'signed')}, {fmt(r['ci_hi'], 'signed')}]"
+
+
+def _paired_p_text(r) -> str:
+    return _p_text(r["p_value"]) + (" (exact sign-flip)" if _no_spread(r) else "")
+
+
+def _no_spread_note(doc: Doc, tables: list[pd.DataFrame]) -> None:
+    """Where a paired table has a row with no spread, what its interval, p-value and verdict are instead."""
+    if not any(_no_spread(r) for t in tables for _, r in t.iterrows()):
+        return
+    doc.p("*No spread*: where every pair differs by the same amount (a metric that moves in steps, such as accuracy "
+          "on a small dev set, can repeat a difference exactly), the t-test is degenerate (sd 0, so t is infinite and "
+          "its p 0) and a zero-width interval would claim a certainty that n equal differences do not give. Such a "
+          "row has no interval; its p-value is the exact two-sided sign-flip test's (Fisher 1935, *The Design of "
+          "Experiments*, §21): of the 2ⁿ sign assignments only the 2 with every sign alike reach that mean, so p = "
+          "2¹⁻ⁿ (0.5 for 2 pairs, 0.0625 for 5; below 0.05 only from 6 pairs on), and its verdict follows that p at "
+          "0.05.")
+
+
 def _paired_section(doc: Doc, results: SweepResults, task: str, metric: str, direction: str,
                     family: list[PairedTest]) -> None:
     """Paired differences against the baseline for the objective and, for language models, the perplexity at
@@ -471,12 +510,12 @@ def _paired_section(doc: Doc, results: SweepResults, task: str, metric: str, dir
                   f"{'lower' if t.direction == 'minimize' else 'higher'} is better):")
         rows = []
         for _, r in t.table.iterrows():
-            ci = "–" if r["n_pairs"] < 2 else f"[{fmt(r['ci_lo'], 'signed')}, {fmt(r['ci_hi'], 'signed')}]"
             rows.append([r["label"], str(r["n_pairs"]) + (f" (seeds {r['seeds']})" if r["seeds"] else ""),
-                         fmt(r["diff"], "signed"), ci, _p_text(r["p_value"]), f"**{r['verdict']}**",
+                         fmt(r["diff"], "signed"), _paired_ci_text(r), _paired_p_text(r), f"**{r['verdict']}**",
                          _p_text(r["p_holm"]), f"**{r['verdict_holm']}**"])
         doc.table(["variant", "pairs", f"Δ {t.name}", "95% CI", "p (paired t)", "verdict (95%)",
                    "Holm-adjusted p", f"after Holm (family of {m})"], rows, align="lrrrrlrl")
+    _no_spread_note(doc, [t.table for t in family if t.task == task])
 
 
 def _glue_tasks_section(doc: Doc, results: SweepResults, task: str, labels: list[str]) -> None:
@@ -507,16 +546,18 @@ def _glue_tasks_section(doc: Doc, results: SweepResults, task: str, labels: list
     doc.table(["task", "variant", "n", "score (95% CI)", "interval", "fine-tuning sd", "metrics"], rows,
               align="llrrrrl")
     base = results.baseline_label
-    paired = []
+    paired, tables = [], []
     for name in names:
         score = f"metric.{name}/score"
-        for _, r in paired_differences(done, score, base, labels, results.declared(score, task).direction).iterrows():
-            ci = "–" if r["n_pairs"] < 2 else f"[{fmt(r['ci_lo'], 'signed')}, {fmt(r['ci_hi'], 'signed')}]"
-            paired.append([name, r["label"], str(r["n_pairs"]), fmt(r["diff"], "signed"), ci, f"**{r['verdict']}**"])
+        tables.append(paired_differences(done, score, base, labels, results.declared(score, task).direction))
+        for _, r in tables[-1].iterrows():
+            paired.append([name, r["label"], str(r["n_pairs"]), fmt(r["diff"], "signed"), _paired_ci_text(r),
+                           f"**{r['verdict']}**"])
     doc.p(f"Paired by {within[:-1]} seed against the baseline ({base}), task by task (each at 95%, no correction "
           "for the several tasks: `compare.md` sets the published effects beside these with a Holm-adjusted "
           "verdict):")
     doc.table(["task", "variant", "pairs", "Δ score", "95% CI", "verdict"], paired, align="llrrrl")
+    _no_spread_note(doc, tables)
 
 
 def _earlier_stages_section(doc: Doc, results: SweepResults, task: str, labels: list[str]) -> None:

@@ -1,7 +1,9 @@
 """Our measurements, filed under the published table's `match` keys, each saying what it measured: the split as it
 is named (a corpus without a test split has no test numbers), how many seeds of what (a GLUE record's fine-tuning
 seeds are its own sample), the metric's variant and scale, and which variant of the model it is (trained from
-scratch, pretrained with MLM + NSP or MLM only, or randomly initialised).
+scratch, pretrained with MLM + NSP or MLM only, or randomly initialised), the evaluation context it was read at
+(the run's task.seq_len: tokens per evaluation window) and, where a language model's number covers only the first
+task.eval_tokens tokens of its split, that part of the split (with the split's length where data.json records it).
 
 Sources: a sweep's baseline and best variant (`sweep_measurements`) and recorded runs (`run_measurements`:
 bench/results/run-*.json or run directories). Records of schema 1 are read by that schema's documented rules
@@ -100,6 +102,11 @@ def sacrebleu_variant(signature: str | None) -> tuple[str, str]:
     return f"sacrebleu:{tok}:{cased}", f"sacreBLEU on detokenized output, {signature}"
 
 
+# The task families that evaluate only the first task.eval_tokens tokens of a split when it is set (study.tasks.lm:
+# LanguageModelling reads the field, its windows stop there); every other family evaluates its whole split.
+EVAL_TOKENS_TASKS = ("lm",)
+
+
 @dataclass
 class Measurement:
     source: str        # 'sweep <name>: <label> (<n> <unit>)' or 'run <label> (<n> <unit>)'
@@ -113,10 +120,24 @@ class Measurement:
     train_flops: float = math.nan
     model_variant: str = ""  # MODEL_VARIANT_WORDS' keys
     note: str = ""           # how the values were read (e.g. a schema-1 rule applied)
+    context: int | None = None       # tokens per evaluation window: the run's task.seq_len (None: not known)
+    eval_tokens: int | None = None   # computed on the split's first eval_tokens tokens only (None: the whole split)
+    split_tokens: int | None = None  # the tokens of the split a whole-split evaluation predicts (data.json's count)
 
     @property
     def interval(self):
         return mean_ci(self.values)
+
+    @property
+    def eval_subset(self) -> str:
+        """The part of the split the number covers, in words ('the first 32,768 of the validation split's 111,539
+        tokens'; 'at most the first 32,768 tokens of the validation split' where the split's length is not
+        recorded: a shorter split is evaluated whole), or '' for the whole split."""
+        if self.eval_tokens is None:
+            return ""
+        if self.split_tokens is not None:
+            return f"the first {self.eval_tokens:,} of the {self.split} split's {self.split_tokens:,} tokens"
+        return f"at most the first {self.eval_tokens:,} tokens of the {self.split} split"
 
 
 @dataclass
@@ -132,6 +153,7 @@ class Source:
     model_variant: str = ""
     per_seed: dict[str, list[float]] = field(default_factory=dict)
     schema: int = 2
+    data: dict = field(default_factory=dict)  # the data.json of one of its runs ({}: none found)
 
 
 def _values(src: Source, col: str) -> list[float]:
@@ -151,11 +173,13 @@ def measurements_from_source(src: Source) -> list[Measurement]:
         pd.to_numeric(rows.get("cost.train_flops_per_token", pd.Series(dtype=float)), errors="coerce")
     flops = float(flops.mean()) if len(flops) else math.nan
 
-    def add(key, split, col, vkey, words, note=""):
+    context = _positive_int(src.task_cfg.get("seq_len"))
+
+    def add(key, split, col, vkey, words, note="", **subset):
         vals = _values(src, col)
         if vals:
             out.append(Measurement(src.label, key, split, col, vkey, words, vals, params, flops, src.model_variant,
-                                   note))
+                                   note, context, **subset))
 
     if src.task in ("lm", "pretrain"):
         _lm_measurements(src, add)
@@ -179,10 +203,32 @@ def _lm_measurements(src: Source, add) -> None:
     for split, prefix in SPLITS:
         if prefix == "test" and src.schema < 2 and dk in SCHEMA1_VALIDATION_AS_TEST:
             continue
+        subset = _split_subset(src, prefix)
         add(f"{dk}:loss", split, f"metric.{prefix}_loss", f"xent-nats:{unit}{text}",
-            f"cross-entropy in nats per {unit} token{read_as}")
+            f"cross-entropy in nats per {unit} token{read_as}", **subset)
         add(f"{dk}:ppl", split, f"metric.{prefix}_ppl", f"ppl:{unit}:nonoverlapping{text}",
-            f"{unit}-level perplexity over non-overlapping windows{read_as}")
+            f"{unit}-level perplexity over non-overlapping windows{read_as}", **subset)
+
+
+def _positive_int(value: Any) -> int | None:
+    """A config's or record's count as an int, None where it is unset or not a positive whole number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return int(value) if value > 0 and float(value).is_integer() else None
+
+
+def _split_subset(src: Source, prefix: str) -> dict[str, int | None]:
+    """{eval_tokens, split_tokens} of a Measurement on split `prefix` ('valid', 'test'): the tokens of the split a
+    whole-split evaluation predicts, as data.json records them (`tokens`, the split's length; its first token is
+    never predicted), and the task.eval_tokens the evaluation stopped at where that cut the split (or may have: a
+    split whose length is not recorded)."""
+    tokens = src.data.get("tokens") if isinstance(src.data, dict) else None
+    length = _positive_int(tokens.get(prefix)) if isinstance(tokens, dict) else None
+    split_tokens = length - 1 if length is not None and length > 1 else None
+    cap = _positive_int(src.task_cfg.get("eval_tokens")) if src.task in EVAL_TOKENS_TASKS else None
+    if cap is None or (split_tokens is not None and cap >= split_tokens):
+        return {"eval_tokens": None, "split_tokens": split_tokens}
+    return {"eval_tokens": cap, "split_tokens": split_tokens}
 
 
 def _text_variant(task_cfg: dict, unit: str) -> tuple[str, str]:
@@ -317,8 +363,20 @@ def sweep_measurements(results: SweepResults) -> list[Measurement]:
                     else ", best variant")
             source = f"sweep {results.sweep}: {label}{kind} ({sweep_unit(results, rows, task)})"
             out += measurements_from_source(Source(source, rows, cfg, task, str(dataset or ""),
-                                                   sweep_model_variant(results, label, rows, task)))
+                                                   sweep_model_variant(results, label, rows, task),
+                                                   data=_sweep_data(results, rows)))
     return out
+
+
+def _sweep_data(results: SweepResults, rows: pd.DataFrame) -> dict:
+    """The data.json of the first of `rows`' trials whose run directory holds one ({} where none is found: a
+    results folder shipped without its runs)."""
+    for _, row in rows.iterrows():
+        run_dir = results.run_dir(row)
+        data = read_json_or_none(run_dir / "data.json") if run_dir else None
+        if isinstance(data, dict):
+            return data
+    return {}
 
 
 def glue_seed_values(record: dict) -> dict[str, list[float]]:
@@ -406,8 +464,10 @@ def run_source(run: Run) -> Source:
     variant = record_model_variant(run.task, run.record, run.config, near)
     schema = record_schema(run.record)
     if run.task != "glue":
+        data = read_json_or_none(run.path / "data.json") if run.path.is_dir() else None
         return Source(f"run {run.label} (one seed)", run.table, task_cfg, run.task,
-                      str(task_cfg.get("dataset") or run.label), variant, schema=schema)
+                      str(task_cfg.get("dataset") or run.label), variant, schema=schema,
+                      data=data if isinstance(data, dict) else {})
     per_seed = glue_seed_values(run.record)
     origin = "random initialisation" if variant == "random-init" else "1 pretraining run"
     if per_seed:

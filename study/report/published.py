@@ -4,7 +4,12 @@
                                  metric_variant (how it was measured, in words), variant_key (the same,
                                  machine-comparable), model, `model_variant` (which variant of the model the number
                                  is of, machine-comparable: MODEL_VARIANTS), size, value, verification level,
-                                 source, and `match`: the key our own measurements are filed under (see compare.py)
+                                 source, `match`: the key our own measurements are filed under (see compare.py),
+                                 `context`: the tokens per evaluation window the number was measured at (a
+                                 positive integer; empty where the publication does not state it or it does not
+                                 apply), compared with our task.seq_len, and `selection`: which model the number
+                                 is of (SELECTIONS: `final`, the model at the end of training; `best`, the best
+                                 validation value over training; empty where the publication does not say)
     study/report/effects.csv     the published direction of each ablation effect: axis, baseline and variant
                                  value, the published numbers, 'better' / 'worse' / 'same' for the variant,
                                  the magnitude, which of our metrics it is compared with, and
@@ -31,7 +36,7 @@ import pandas as pd
 
 PUBLISHED_COLUMNS = ("id", "citation", "year", "table", "task", "dataset", "split", "metric", "metric_variant",
                      "variant_key", "model", "model_variant", "model_size", "params_m", "train_flops", "setting",
-                     "value", "value_printed", "verification", "source", "match")
+                     "value", "value_printed", "verification", "source", "match", "context", "selection")
 REQUIRED = ("id", "citation", "table", "dataset", "split", "metric", "metric_variant", "variant_key", "model", "value",
             "verification", "source", "match")
 EFFECT_COLUMNS = ("effect_id", "axis", "baseline", "variant", "our_metric", "published_metric", "published_baseline",
@@ -56,6 +61,8 @@ DIRECTIONS = ("better", "worse", "same")
 # model pretrained without it, or with a randomly initialised encoder. Empty where it does not apply.
 MODEL_VARIANTS = re.compile(r"^(|from-scratch|random-init|(pretrained|zero-shot):[a-z0-9+.\-]+)$")
 UNITS_MATCH = ("", "yes", "no")
+SELECTIONS = ("", "final", "best")  # published.csv's `selection` (compare.py: ours is always `final`)
+CONTEXT = re.compile(r"^([1-9][0-9]*)?$")  # published.csv's `context`: empty or a positive integer (tokens)
 
 
 def _read(name: str) -> pd.DataFrame:
@@ -64,8 +71,12 @@ def _read(name: str) -> pd.DataFrame:
 
 
 def load_published() -> pd.DataFrame:
-    """The published table, `value` as float (NaN where none), every other column as text."""
+    """The published table, validated (ValueError naming every problem: a misspelt `selection` must never pass),
+    `value` as float (NaN where none), every other column as text."""
     table = _read("published.csv")
+    problems = validate_published(table)
+    if problems:
+        raise ValueError("study/report/published.csv: " + "; ".join(problems))
     table["value"] = pd.to_numeric(table["value"], errors="coerce")
     table["params_m"] = pd.to_numeric(table["params_m"], errors="coerce")
     table["train_flops"] = pd.to_numeric(table["train_flops"], errors="coerce")
@@ -83,22 +94,35 @@ def load_effects() -> pd.DataFrame:
     return table
 
 
+def _row_name(table: pd.DataFrame, i) -> str:
+    return f"row {table.loc[i, 'id'] if 'id' in table else i}"
+
+
 def validate_published(table: pd.DataFrame) -> list[str]:
     """Every problem with the published table: missing columns, empty required cells (every row needs
-    a citation, a table, a metric variant and a value), duplicate ids."""
+    a citation, a table, a metric variant and a value), duplicate ids, a `model_variant`, `context` or `selection`
+    outside its vocabulary."""
     problems = [f"missing column {c}" for c in PUBLISHED_COLUMNS if c not in table]
     for c in REQUIRED:
         if c not in table:
             continue
         empty = table[c].isna() | (table[c].astype(str).str.strip() == "")
-        problems += [f"row {table.loc[i, 'id'] if 'id' in table else i}: empty {c}" for i in table.index[empty]]
+        problems += [f"{_row_name(table, i)}: empty {c}" for i in table.index[empty]]
     if "id" in table:
         problems += [f"duplicate id {i}" for i in table["id"][table["id"].duplicated()]]
     if "model_variant" in table:
         bad = ~table["model_variant"].fillna("").astype(str).str.match(MODEL_VARIANTS)
-        problems += [f"row {table.loc[i, 'id'] if 'id' in table else i}: model_variant "
+        problems += [f"{_row_name(table, i)}: model_variant "
                      f"{table.loc[i, 'model_variant']!r} is not one of from-scratch, random-init, "
                      "pretrained:<objective>, zero-shot:<corpus> or empty" for i in table.index[bad]]
+    if "context" in table:
+        bad = ~table["context"].fillna("").astype(str).str.match(CONTEXT)
+        problems += [f"{_row_name(table, i)}: context {table.loc[i, 'context']!r} is not a positive whole number "
+                     "of tokens or empty" for i in table.index[bad]]
+    if "selection" in table:
+        bad = ~table["selection"].fillna("").astype(str).isin(SELECTIONS)
+        problems += [f"{_row_name(table, i)}: selection {table.loc[i, 'selection']!r} is not one of "
+                     f"{', '.join(s for s in SELECTIONS if s)} or empty" for i in table.index[bad]]
     return problems
 
 

@@ -1,9 +1,12 @@
-"""Statistics that do not overclaim: means with t-distribution confidence intervals over seeds,
-differences against the baseline paired by seed, their paired t-test p-values, Holm's correction for
-testing several effects at once, the smallest difference a set of seeds could have detected, and Pareto fronts.
+"""Statistics that do not overclaim: means with t-distribution confidence intervals over seeds, differences against
+the baseline paired by seed, their paired t-test p-values (exact sign-flip p-values where the differences have no
+spread), Holm's correction for testing several effects at once, the smallest difference a set of seeds could have
+detected, and Pareto fronts.
 
 n = 1 gives no interval (reported as such, never as +-0); a paired difference whose interval
-contains zero is `inconclusive`, whatever its mean says.
+contains zero is `inconclusive`, whatever its mean says. Paired differences with no spread (n identical
+differences: a discrete metric such as accuracy on a small dev set moves in steps) make the t-test degenerate
+(sd 0, p 0); they are tested with the exact sign-flip test instead, whose p is never below 2^(1-n).
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ from scipy import stats as _st
 CONFIDENCE = 0.95
 POWER = 0.80  # the conventional power of a minimum detectable difference (Cohen 1988's convention)
 ALPHA = 1 - CONFIDENCE
+# Values that agree to this fraction of their magnitude are equal: float32, the coarsest precision a task computes
+# a metric in, resolves 1.2e-7 of a value (its machine epsilon, IEEE 754), so a difference of two such values is
+# known to a few of those; a smaller spread among paired differences is rounding, not spread (in float64,
+# 3/277 - 0/277 and 150/277 - 147/277 differ in the last bits: two seeds each 3 RTE dev examples up on the
+# baseline would otherwise show an sd of 1e-17 and a t-test p of about 0).
+SPREAD_RTOL = 1e-6
+NO_SPREAD_TEST = "exact sign-flip (no spread)"  # PairedDifference.test where the differences have no spread
+T_TEST = "paired t"
 
 
 @dataclass(frozen=True)
@@ -48,8 +59,18 @@ def t_critical(n: int, confidence: float = CONFIDENCE) -> float:
     return float(_st.t.ppf(0.5 + confidence / 2, n - 1)) if n >= 2 else math.nan
 
 
-def mean_ci(values, confidence: float = CONFIDENCE) -> Interval:
-    """Mean and t interval of the finite values: mean +- t_{n-1} * sd / sqrt(n), sd with ddof=1."""
+def no_spread(x: np.ndarray, scale: float | None = None) -> bool:
+    """Do two or more values agree to within rounding (SPREAD_RTOL of `scale`: the magnitude of the numbers they
+    were computed from; default their own largest magnitude)? Exactly equal values always do."""
+    if x.size < 2:
+        return False
+    scale = float(np.max(np.abs(x))) if scale is None else scale
+    return float(np.ptp(x)) <= SPREAD_RTOL * scale
+
+
+def mean_ci(values, confidence: float = CONFIDENCE, scale: float | None = None) -> Interval:
+    """Mean and t interval of the finite values: mean +- t_{n-1} * sd / sqrt(n), sd with ddof=1. Values that agree
+    to within rounding (no_spread, relative to `scale`) have sd 0 exactly, not a last-bit remainder."""
     x = np.asarray(pd.to_numeric(pd.Series(values, dtype=object), errors="coerce"), dtype=float)
     x = x[np.isfinite(x)]
     n = int(x.size)
@@ -58,7 +79,7 @@ def mean_ci(values, confidence: float = CONFIDENCE) -> Interval:
     mean = float(x.mean())
     if n == 1:
         return Interval(1, mean, math.nan, math.nan, math.nan, confidence)
-    sd = float(x.std(ddof=1))
+    sd = 0.0 if no_spread(x, scale) else float(x.std(ddof=1))
     half = t_critical(n, confidence) * sd / math.sqrt(n)
     return Interval(n, mean, sd, mean - half, mean + half, confidence)
 
@@ -94,42 +115,69 @@ def summarize(table: pd.DataFrame, metric_col: str, by: str = "label", order: li
 class PairedDifference:
     variant: str
     baseline: str
-    diff: Interval            # variant - baseline, paired by seed
+    diff: Interval            # variant - baseline, paired by seed (no interval, sd 0, where they have no spread)
     seeds: tuple[int, ...]    # the seeds present (with a finite value) in both
     direction: str            # 'minimize' | 'maximize': which sign is an improvement
 
     @property
+    def no_spread(self) -> bool:
+        """Two or more pairs whose differences are all the same (to within rounding): the t-test is degenerate."""
+        return self.diff.n >= 2 and self.diff.sd == 0
+
+    @property
+    def test(self) -> str:
+        """The test behind p_value: T_TEST, NO_SPREAD_TEST where the differences have no spread, '' below 2 pairs."""
+        return "" if self.diff.n < 2 else NO_SPREAD_TEST if self.no_spread else T_TEST
+
+    @property
     def p_value(self) -> float:
-        """Two-sided paired t-test p-value of the mean difference (NaN below 2 pairs)."""
+        """Two-sided p-value of the mean difference: the paired t-test's, or the exact sign-flip test's where the
+        differences have no spread (see paired_t_pvalue); NaN below 2 pairs."""
         return paired_t_pvalue(self.diff)
 
     @property
     def mde(self) -> float:
-        """The smallest difference these pairs could have detected (see minimum_detectable_difference)."""
+        """The smallest difference these pairs could have detected (see minimum_detectable_difference; NaN with no
+        spread: the t approximation has nothing to scale)."""
         return minimum_detectable_difference(self.diff.sd, self.diff.n)
 
     @property
     def verdict(self) -> str:
-        """'better' / 'worse' than the baseline when the interval excludes zero, 'inconclusive'
-        when it contains zero, 'no CI (n=1)' / 'no pairs' when it cannot be computed."""
+        """'better' / 'worse' than the baseline when the interval excludes zero, 'inconclusive' when it contains
+        zero, 'no CI (n=1)' / 'no pairs' when it cannot be computed. With no spread there is no interval: the
+        verdict follows the exact sign-flip p at ALPHA (n identical differences: better/worse from n = 6 on)."""
         if self.diff.n == 0:
             return "no pairs"
         if self.diff.n == 1:
             return "no CI (n=1)"
-        if self.diff.lo <= 0 <= self.diff.hi:
+        if self.no_spread:
+            if not self.p_value < ALPHA:
+                return "inconclusive"
+            lower = self.diff.mean < 0
+        elif self.diff.lo <= 0 <= self.diff.hi:
             return "inconclusive"
-        lower = self.diff.hi < 0
+        else:
+            lower = self.diff.hi < 0
         return "better" if lower == (self.direction == "minimize") else "worse"
+
+
+def sign_flip_pvalue_no_spread(n: int, mean: float) -> float:
+    """Two-sided p of the exact paired sign-flip (permutation) test for n identical differences: under H0 each
+    difference's sign is + or - with probability 1/2 (Fisher 1935, The Design of Experiments, section 21; Good 2005,
+    Permutation, Parametric and Bootstrap Tests of Hypotheses, ch. 3), and of the 2^n sign assignments only the
+    two with every sign alike reach a |mean| as large, so p = 2 / 2^n = 2^(1-n); 1 when the differences are 0."""
+    return 1.0 if mean == 0 else 2.0 ** (1 - n)
 
 
 def paired_t_pvalue(diff: Interval) -> float:
     """Two-sided p-value of H0 'mean difference = 0' for n paired differences: t = mean / (sd / sqrt(n)) with
     n - 1 degrees of freedom (Student's paired t-test; the same test as 'the 95% interval excludes zero').
-    NaN below two pairs; with no spread at all, 0 when the mean is not zero and 1 when it is."""
+    NaN below two pairs. With no spread (sd 0) t is infinite and the t-test says nothing true: p is the exact
+    sign-flip test's instead (sign_flip_pvalue_no_spread: 2^(1-n), 1 when the differences are 0)."""
     if diff.n < 2 or not math.isfinite(diff.sd):
         return math.nan
     if diff.sd == 0:
-        return 0.0 if diff.mean != 0 else 1.0
+        return sign_flip_pvalue_no_spread(diff.n, diff.mean)
     t = diff.mean / (diff.sd / math.sqrt(diff.n))
     return float(2 * _st.t.sf(abs(t), diff.n - 1))
 
@@ -161,8 +209,10 @@ def minimum_detectable_difference(sd: float, n: int, alpha: float = ALPHA, power
     `power`, given the sd of the n paired differences: (t_{1-alpha/2, n-1} + t_{power, n-1}) * sd / sqrt(n).
     The standard power-analysis approximation for a t test (Cohen 1988, Statistical Power Analysis for the
     Behavioral Sciences, 2nd ed., ch. 2; written as a minimum detectable effect with the t multiplier
-    t_{1-alpha/2} + t_{power} by Bloom 1995, Evaluation Review 19(5):547-556). NaN below two pairs."""
-    if n < 2 or sd is None or not math.isfinite(sd):
+    t_{1-alpha/2} + t_{power} by Bloom 1995, Evaluation Review 19(5):547-556). NaN below two pairs, and NaN with no
+    spread (sd 0): the formula would claim any difference detectable, while such pairs are tested by the exact
+    sign-flip test, whose p is 2^(1-n) whatever the difference (below 0.05 only from n = 6 pairs on)."""
+    if n < 2 or sd is None or not math.isfinite(sd) or sd == 0:
         return math.nan
     t_alpha = float(_st.t.ppf(1 - alpha / 2, n - 1))
     t_power = float(_st.t.ppf(power, n - 1))
@@ -172,7 +222,8 @@ def minimum_detectable_difference(sd: float, n: int, alpha: float = ALPHA, power
 def paired_difference(table: pd.DataFrame, metric_col: str, variant: str, baseline: str,
                       direction: str = "minimize", by: str = "label") -> PairedDifference:
     """Mean over seeds of (variant - baseline), pairing trials that share a seed, with its t interval.
-    Seeds where either side has no finite value (failed, diverged, not run) are left out."""
+    Seeds where either side has no finite value (failed, diverged, not run) are left out. Differences that agree
+    to within rounding of the values they come from have no spread (see paired_interval)."""
     def per_seed(label):
         sub = table[(table[by] == label)]
         if metric_col not in sub:
@@ -183,19 +234,35 @@ def paired_difference(table: pd.DataFrame, metric_col: str, variant: str, baseli
     a, b = per_seed(variant), per_seed(baseline)
     seeds = tuple(sorted(set(a) & set(b)))
     diffs = [a[s] - b[s] for s in seeds]
-    return PairedDifference(variant, baseline, mean_ci(diffs), seeds, direction)
+    scale = max((max(abs(a[s]), abs(b[s])) for s in seeds), default=0.0)
+    return PairedDifference(variant, baseline, paired_interval(diffs, scale), seeds, direction)
+
+
+def paired_interval(diffs: list[float], scale: float) -> Interval:
+    """mean_ci of the paired differences, rounding judged against `scale` (the largest magnitude of the values they
+    are differences of). With no spread it has no interval (NaN bounds, sd 0): a zero-width t interval would claim
+    certainty that n equal differences do not give; a mean within rounding of zero is zero."""
+    ci = mean_ci(diffs, scale=scale)
+    if ci.n < 2 or ci.sd != 0:
+        return ci
+    mean = 0.0 if abs(ci.mean) <= SPREAD_RTOL * scale else ci.mean
+    return Interval(ci.n, mean, 0.0, math.nan, math.nan, ci.confidence)
 
 
 def paired_differences(table: pd.DataFrame, metric_col: str, baseline: str, variants: list[str],
                        direction: str = "minimize", by: str = "label") -> pd.DataFrame:
+    """One row per variant: its paired difference against the baseline, interval, p-value and the `test` behind it
+    (T_TEST, or NO_SPREAD_TEST where the differences have no spread and hence no interval), MDE and verdict."""
     rows = []
     for v in variants:
         if v == baseline:
             continue
         d = paired_difference(table, metric_col, v, baseline, direction, by)
         rows.append({by: v, "n_pairs": d.diff.n, "diff": d.diff.mean, "ci_lo": d.diff.lo, "ci_hi": d.diff.hi,
-                     "p_value": d.p_value, "mde": d.mde, "verdict": d.verdict, "seeds": ",".join(map(str, d.seeds))})
-    return pd.DataFrame(rows, columns=[by, "n_pairs", "diff", "ci_lo", "ci_hi", "p_value", "mde", "verdict", "seeds"])
+                     "p_value": d.p_value, "test": d.test, "mde": d.mde, "verdict": d.verdict,
+                     "seeds": ",".join(map(str, d.seeds))})
+    return pd.DataFrame(rows, columns=[by, "n_pairs", "diff", "ci_lo", "ci_hi", "p_value", "test", "mde", "verdict",
+                                       "seeds"])
 
 
 def pareto_front(x, y, x_better: str = "lower", y_better: str = "lower") -> np.ndarray:

@@ -3,14 +3,18 @@
     <run_dir>/config.yaml     the pipeline (each stage's config; `task.init_from: stage:<name>` where a stage starts
                               from another)
     <run_dir>/metrics.json    the last stage's metrics, with each earlier stage's under its name
-                              (`pretrain.valid_mlm_loss`), and `stages`: where each stage ran
+                              (`pretrain.valid_mlm_loss`), and `stages`: where each stage ran; its cost: every
+                              stage's time summed (`fit_seconds`, as `steps`), the last stage's model (`parameters`),
+                              and each stage's own cost under its name (`cost.pretrain.fit_seconds`)
     <run_dir>/<last stage>/   the last stage's run directory (a GLUE suite: one run per task and seed)
     <stage_root>/<hash>/seed-<k>/   every earlier stage's run directory, content-hashed like a sweep point
 
 An earlier stage is trained once: pipelines that differ only in later stages (fine-tuning settings) find it
 finished and reuse it, and in a sweep it is the very directory a plain sweep of that stage's config would use. A
 kill loses nothing: a finished stage is not run again, and an unfinished one resumes from its checkpoint. Two
-workers that reach the same shared stage at once take turns (a file lock), the second finding it finished.
+workers that reach the same shared stage at once take turns (a file lock), the second finding it finished. A shared
+stage forced anew (`--force` on another pipeline that shares it) holds another model: a later stage fine-tuned from
+the old one, and a finished pipeline's record of it, are run again from the new one, not handed back.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from study.config import ConfigError, PipelineConfig, content_hash
 from study.config.pipeline import stage_ref
 from study.io import atomic_write_json, atomic_write_text, exclusive_lock
 from study.model.precision import resolve_precision
-from study.record import COMPLETED, RunDir, extras, make_record
+from study.record import COMPLETED, RunDir, extras, make_record, stage_run_dirs
 from study.run.conflict import finished_run
 
 log = logging.getLogger(__name__)
@@ -87,7 +91,9 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     run = RunDir(run_dir)
     cfg = resolved_precision(cfg)
     if (done := finished_run(run, cfg, force)) is not None:
-        return done
+        if (replaced := replaced_stage(cfg, run, done)) is None:
+            return done
+        log.warning("%s; the pipeline runs again from its stages as they are now", replaced)
     refuse_unrunnable_stages(cfg)
     refuse_missing_data(cfg, data_dir)
     started = time.time()
@@ -96,8 +102,8 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     stage_root = (Path(stage_root) if stage_root is not None else run.path / "stages").resolve()
     prepare_training_process(cfg.first.train.accelerator)  # as its stages will: env.json records what they train with
     writes = launch_rank() == 0  # under DDP every rank runs the stages (each stage's ranks wait for its record)
-    if force:  # after the stage and data checks: a bad input never costs the old record (see discard_result)
-        discard_result(run)
+    if force or done is not None:  # after the stage and data checks: a bad input never costs the old record (see
+        discard_result(run)         # discard_result); a finished record here is one replaced_stage found stale
     if writes:
         atomic_write_text(run.config, cfg.to_yaml())
         atomic_write_json(run.env, snapshot(cfg.first.train.precision, cfg.first.train.accelerator))
@@ -117,6 +123,21 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     if writes:
         run.write(record)
     return record
+
+
+def replaced_stage(cfg: PipelineConfig, run: RunDir, record: dict[str, Any]) -> str | None:
+    """Why a finished pipeline's `record` is not one of its stages as they are now, or None: a later stage whose
+    result was fine-tuned from a model its upstream stage no longer holds (a shared stage forced anew by another
+    pipeline: study.run.single.replaced_start)."""
+    from study.run.single import replaced_start
+
+    ran = stage_run_dirs(record, run.path)
+    for name, stage in cfg.stages.items():
+        ref = stage_ref(stage.task.init_from)
+        if ref is not None and name in ran and ref in ran:
+            if (why := replaced_start(RunDir(ran[name]), ran[ref])) is not None:
+                return why
+    return None
 
 
 def refuse_unrunnable_stages(cfg: PipelineConfig) -> None:
@@ -148,18 +169,22 @@ def refuse_missing_data(cfg: PipelineConfig, data_dir: str | Path | None) -> Non
 
 
 def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, Any]]], wall: float) -> dict:
-    """The last stage's metrics and cost, each earlier stage's under its name, and where every stage ran."""
+    """The last stage's metrics, each earlier stage's under its name, and where every stage ran. Its cost: the time
+    of every stage that ran (summed, as its steps and train tokens are), the last stage's model (parameters, FLOPs,
+    memory, throughput: what the pipeline's result is a model of), and every stage's own cost under its name."""
+    from study.run.suite import TIME_COSTS, summed_times
+
     names = list(ran)
     _, last = ran[names[-1]]
     complete = len(ran) == len(cfg.stages) and last["status"] == COMPLETED
     metrics = dict(last["metrics"]) if complete else {}
     declared = dict(last.get("declared") or {}) if complete else {}
-    cost = dict(last.get("cost") or {})
     for name in names[:-1] if complete else names:
         metrics[name] = ran[name][1]["metrics"]
         declared.update({f"{name}.{k}": v for k, v in (ran[name][1].get("declared") or {}).items()})
-        cost[name] = ran[name][1].get("cost") or {}
-    cost["wall_seconds"] = wall
+    costs = {name: ran[name][1].get("cost") or {} for name in names}
+    cost = {**{k: v for k, v in costs[names[-1]].items() if k not in TIME_COSTS and k != "wall_seconds"},
+            **summed_times(list(costs.values())), "wall_seconds": wall, **costs}
     stages = {n: {"run_dir": str(d), "status": r["status"], "steps": r.get("steps"),
                   "diverged_at_step": r.get("diverged_at_step"), "seed": cfg.stages[n].train.seed}
               for n, (d, r) in ran.items()}

@@ -10,6 +10,7 @@ import contextlib
 import csv
 import dataclasses
 import datetime
+import hashlib
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from study.config import ExperimentConfig
-from study.io import atomic_write, atomic_write_json, atomic_write_text
+from study.io import atomic_write, atomic_write_json, atomic_write_text, read_json_or_none
 from study.model.accounting import cost_summary
 from study.record import COMPLETED, DIVERGED, RunDir, make_record
 from study.run.conflict import finished_run, refuse_other_data
@@ -90,6 +91,42 @@ def discard_result(run: RunDir) -> None:
     if launch_rank() == 0:
         for path in (run.metrics, run.weights, run.last_checkpoint):
             path.unlink(missing_ok=True)
+
+
+def replaced_start(run: RunDir, init_from: str | Path | None) -> str | None:
+    """Why the result in `run` is not one of the model now in `init_from` (the run it started from), or None.
+
+    A run that starts from another records the digest of the model.pt it started from in its data.json
+    (`model_sha256`, GLUE's; a suite's data.json holds each part's). When the model.pt there now is another (that run
+    was forced anew, e.g. by another pipeline sharing the stage) or is gone, the result is of a model no longer on
+    disk: handed back, it would be reported as the new model's, and its checkpoint would go on fine-tuning the old
+    one. None where nothing was recorded (a run that starts from nothing, or has not yet read its data)."""
+    recorded = set(_recorded_digests(read_json_or_none(run.data))) if init_from else set()
+    if not recorded:
+        return None
+    weights = RunDir(init_from).weights
+    now = _file_sha256(weights) if weights.is_file() else None
+    if recorded == {now}:
+        return None
+    there = ", ".join(sorted(f"{d[:12]}..." for d in recorded - {now}))
+    return (f"{run.path} was fine-tuned from another model than {weights} (sha256 {there}), "
+            + (f"which now holds {now[:12]}..." if now else "which is gone"))
+
+
+def _recorded_digests(value: Any):
+    if isinstance(value, dict):
+        if isinstance(value.get("model_sha256"), str):
+            yield value["model_sha256"]
+        for v in value.values():
+            yield from _recorded_digests(v)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def launch_rank() -> int:
@@ -232,12 +269,15 @@ def run_single(
     run = RunDir(run_dir)
     family_ = family(cfg.task.name)
     decided = family_.data_decided_model_fields
-    if (done := finished_run(run, cfg, force, data_decided=decided)) is not None:
+    done = finished_run(run, cfg, force, data_decided=decided)
+    if (replaced := None if force else replaced_start(run, cfg.task.init_from)) is not None:
+        log.warning("%s; it runs again, from scratch, from the model there now", replaced)
+    elif done is not None:
         return done
     started = time.time()
     dm, cfg = _prepare_data(cfg, data_dir, cache_dir)
     finished_run(run, cfg, force, data_decided=())  # a directory holding another config's (unfinished) run
-    if force:
+    if force or replaced:
         discard_result(run)
     if (resume_from := readable_checkpoint(run)) is not None:
         refuse_other_data(run, dm.fingerprint)  # before data.json is rewritten with what was read now

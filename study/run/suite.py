@@ -5,7 +5,9 @@ the experiment's, and the experiment's own record combines theirs.
     <run_dir>/config.yaml, env.json, data.json, metrics.json    the experiment (data.json: each part's fingerprint)
     <run_dir>/<part>/                                           one run directory per part (e.g. SST-2/seed0)
 
-A part that finished is not run again, so a killed suite resumes at the part it was running.
+A part that finished is not run again, so a killed suite resumes at the part it was running; but a suite or part
+fine-tuned from a model that is no longer the one in `task.init_from` (that run was forced anew) runs again, from
+scratch (`study.run.single.replaced_start`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,22 @@ from typing import Any
 from study.config import ExperimentConfig
 from study.io import atomic_write_json, atomic_write_text, read_json_or_none
 from study.model.accounting import parameter_count
-from study.record import COMPLETED, DIVERGED, RunDir, make_record
+from study.record import COMPLETED, COSTS, DIVERGED, RunDir, make_record
 from study.run.conflict import finished_run
-from study.run.single import discard_result, launch_rank, run_single
+from study.run.single import discard_result, launch_rank, replaced_start, run_single
 from study.tasks import family
 
 log = logging.getLogger(__name__)
+
+# The time costs a record of several runs (a suite, a pipeline) adds up over them, as it does their steps and train
+# tokens: the `seconds` of study.record.COSTS but wall_seconds, which such a record measures itself (its own wall time
+# also holds the time between its runs, and none for a run it found finished)
+TIME_COSTS = tuple(k for k, (_, unit, _) in COSTS.items() if unit == "seconds" and k != "wall_seconds")
+
+
+def summed_times(costs: list[dict[str, Any]]) -> dict[str, float]:
+    """{time cost: its sum over `costs`} for each of TIME_COSTS that one of them holds."""
+    return {k: sum(float(c.get(k) or 0) for c in costs) for k in TIME_COSTS if any(k in c for c in costs)}
 
 
 def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path | None = None,
@@ -32,13 +44,17 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
     from study.run.environment import prepare_training_process, snapshot
 
     run, task = RunDir(run_dir), family(cfg.task.name)
-    if (done := finished_run(run, cfg, force, data_decided=task.data_decided_model_fields)) is not None:
+    done = finished_run(run, cfg, force, data_decided=task.data_decided_model_fields)
+    # a suite fine-tuned from a model no longer in task.init_from runs again (each part finds out for itself)
+    if (replaced := None if force else replaced_start(run, cfg.task.init_from)) is not None:
+        log.warning("%s; its parts fine-tuned from that model run again", replaced)
+    elif done is not None:
         return done
     started = time.time()
     parts = task.sub_runs(cfg, data_dir)  # data problems (a missing task) surface here, before any training
     prepare_training_process(cfg.train.accelerator)  # as its parts will: env.json records what they train with
     writes = launch_rank() == 0  # under DDP every rank runs the parts (each part's ranks wait for its record)
-    if force:  # after the data checks: a bad input never costs the old record (discard_result says why)
+    if force or replaced:  # after the data checks: a bad input never costs the old record (discard_result says why)
         discard_result(run)
     if writes:
         atomic_write_text(run.config, cfg.to_yaml())
@@ -68,8 +84,7 @@ def _combined_record(cfg: ExperimentConfig, task, results: dict[str, dict[str, A
     diverged = any(r["status"] == DIVERGED for r in ran)
     parameters = next((r["cost"].get("parameters") for r in ran if r.get("cost")), None)
     cost = {"parameters": parameters or parameter_count(cfg.model),
-            "fit_seconds": sum(float(r["cost"].get("fit_seconds") or 0) for r in ran),
-            "wall_seconds": wall}
+            **summed_times([r.get("cost") or {} for r in ran]), "wall_seconds": wall}
     return make_record(DIVERGED if diverged else COMPLETED, task.combine(cfg, results), cost,
                        steps=sum(int(r.get("steps") or 0) for r in ran),
                        train_tokens=sum(int(r.get("train_tokens") or 0) for r in ran),

@@ -124,6 +124,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _stale_reason(age_s: float, worker: str) -> str:
+    """Why a trial is judged lost by its heartbeat's age. The age compares the beating worker's clock with this one's,
+    so a worker on another host whose clock runs behind by more than grace_s looks silent while it beats."""
+    reason = f"no heartbeat for {age_s:.0f} s"
+    host = worker.rpartition(":")[0]
+    if host and host != _host():
+        reason += f" (beaten on {host}: if its clock is behind this host's, sync the clocks or raise grace_s)"
+    return reason
+
+
 def _gone_from_this_host(worker: str) -> bool:
     """Whether `worker` ("host:pid", as queue.worker records it) is another process on this host that no longer runs:
     what a trial's worker or the enqueue lock's holder is known by."""
@@ -313,9 +323,10 @@ class TrialQueue:
                 beat = t.datetime_start.timestamp() if t.datetime_start else now
             # nobody could beat while the storage was down: after an outage every worker gets the grace period anew
             beat = max(beat, getattr(self.storage, "recovered_at", 0.0))
-            dead_here = _gone_from_this_host(str(t.user_attrs.get("worker", "")))
+            worker = str(t.user_attrs.get("worker", ""))
+            dead_here = _gone_from_this_host(worker)
             if dead_here or now - beat > self.grace_s:
-                lost.append((t, "its worker process is gone" if dead_here else f"no heartbeat for {now - beat:.0f} s"))
+                lost.append((t, "its worker process is gone" if dead_here else _stale_reason(now - beat, worker)))
         return lost
 
     def reap_lost(self) -> int:

@@ -40,12 +40,9 @@ inline float row_loss_and_grad(float* x, int64_t V, int64_t t, float target_weig
 #pragma omp simd reduction(max : mx)
   for (int64_t j = 0; j < V; ++j) mx = x[j] > mx ? x[j] : mx;
   const float target = x[t];
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < V; ++j) {
-    x[j] = exp_nonpositive(x[j] - mx);
-    sum += x[j];
-  }
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) x[j] = exp_nonpositive(x[j] - mx);
+  const float sum = study_kernels::lane_sum(V, [&](int64_t j) { return x[j]; });  // the row is still in cache
   const float inv = 1.0f / sum;
 #pragma omp simd
   for (int64_t j = 0; j < V; ++j) x[j] *= inv;

@@ -82,9 +82,7 @@ void rows_top_k(const T* logits, int64_t R, int64_t V, int64_t k, float* vals, i
       float mx = kNegInf;
 #pragma omp simd reduction(max : mx)
       for (int64_t j = 0; j < V; ++j) mx = x[j] > mx ? x[j] : mx;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < V; ++j) sum += exp_nonpositive(x[j] - mx);
+      const float sum = study_kernels::lane_sum(V, [&](int64_t j) { return exp_nonpositive(x[j] - mx); });
       const float logsum = std::log(sum);
       float* v = vals + r * k;
       top_k(x, V, k, v, ids + r * k);

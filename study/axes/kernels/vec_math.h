@@ -31,6 +31,27 @@ inline float exp_nonpositive(float x) {
 // float64 (gradcheck's dtype, not a hot path): the library's exp, so that a kernel's formula can be one template.
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
+// sum_{j < n} term(j) in kSumLanes partial sums, added pairwise at the end: an order fixed here, so a row's sum is the
+// same on every CPU and as accurate as 32 lanes make it. `omp simd reduction(+ : ...)` leaves the order to the
+// compiler: GCC 12 with -mavx2 kept the serial one (a fold-left reduction), one float accumulator over a row of 8,000
+// exps that lost 2e-5 of a log-sum-exp (torch's log_softmax: 3e-6), while AVX-512 builds summed in lanes.
+constexpr int64_t kSumLanes = 32;
+
+template <typename Term>
+inline float lane_sum(int64_t n, Term term) {
+  float part[kSumLanes] = {};
+  int64_t j = 0;
+  for (; j + kSumLanes <= n; j += kSumLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kSumLanes; ++l) part[l] += term(j + l);
+  }
+  for (int64_t l = 0; j < n; ++j, ++l) part[l] += term(j);
+  for (int64_t width = kSumLanes / 2; width > 0; width /= 2) {
+    for (int64_t l = 0; l < width; ++l) part[l] += part[l + width];
+  }
+  return part[0];
+}
+
 // Loads and stores by bit operations, so that `omp simd` vectorises the bf16 loops (c10::BFloat16's conversions do
 // not vectorise: the SwiGLU kernel ran 2.4x slower than eager PyTorch with them). bf16 is float's upper half; a store
 // rounds to nearest even, as c10 does, NaN kept NaN.
