@@ -10,7 +10,6 @@ import contextlib
 import csv
 import dataclasses
 import datetime
-import hashlib
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from study.config import ExperimentConfig
-from study.io import atomic_write, atomic_write_json, atomic_write_text, read_json_or_none
+from study.io import atomic_write, atomic_write_json, atomic_write_text, file_sha256, read_json_or_none
 from study.model.accounting import cost_summary
 from study.record import COMPLETED, DIVERGED, RunDir, make_record
 from study.run.conflict import finished_run, refuse_other_data
@@ -105,7 +104,7 @@ def replaced_start(run: RunDir, init_from: str | Path | None) -> str | None:
     if not recorded:
         return None
     weights = RunDir(init_from).weights
-    now = _file_sha256(weights) if weights.is_file() else None
+    now = file_sha256(weights) if weights.is_file() else None
     if recorded == {now}:
         return None
     there = ", ".join(sorted(f"{d[:12]}..." for d in recorded - {now}))
@@ -119,14 +118,6 @@ def _recorded_digests(value: Any):
             yield value["model_sha256"]
         for v in value.values():
             yield from _recorded_digests(v)
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def launch_rank() -> int:

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 from study.config import ExperimentConfig
+from study.io import file_sha256 as sha256
 from study.record import COMPLETED, RunDir
 from study.tasks.data import TrainedTokenizer
 from study.tasks.pretrain import SPECIALS, TOKENIZER_FILE
 
 PRETRAIN_FILES = ("config.yaml", "model.pt", TOKENIZER_FILE, "metrics.json")
 HINT = "give the directory of a finished pretrain run, e.g. runs/wikitext2-bert-nsp"
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def pretrained_config(init_from: str | Path) -> ExperimentConfig:
