@@ -59,7 +59,7 @@ from study.report.measure import (  # noqa: F401  (re-exported: the comparison's
     sweep_measurements,
 )
 from study.report.published import EFFECT_METRICS, load_effects, load_published
-from study.report.stats import ALPHA, NO_SPREAD_TEST, POWER, holm_adjust, paired_difference
+from study.report.stats import ALPHA, NO_SPREAD_TEST, NO_SPREAD_WHY, POWER, holm_adjust, paired_difference
 
 BY_CONSTRUCTION = "by construction"
 COUNTED = ("agree", "disagree")  # the verdicts that claim something, and that Holm's correction may withdraw
@@ -662,10 +662,7 @@ def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
           "(t₀.₉₇₅,ₙ₋₁ + t₀.₈₀,ₙ₋₁) · sd / √n), and whether an effect of the published size exceeds it where the "
           "published effect is in our units (GLUE dev metrics, points on 0-100).")
     if (effects.get("our_test", pd.Series(dtype=str)) == NO_SPREAD_TEST).any():
-        doc.p("*No spread*: where every seed pair differs by the same amount, the t-test is degenerate (sd 0: an "
-              "infinite t, a p of 0) and there is no interval; the p-value is the exact two-sided sign-flip test's "
-              "(Fisher 1935, *The Design of Experiments*, §21), 2¹⁻ⁿ for n equal non-zero differences (0.5 for 2 "
-              "pairs; below 0.05 only from 6 pairs on), and the verdict and Holm's step use that p.")
+        doc.p(f"*No spread*: {NO_SPREAD_WHY}, and the verdict and Holm's step use that p.")
     glance = [[_effect_label(r), r["citation"], r["published_direction"],
                _ours_effect_text(r), _effect_p_text(r), f"**{r['verdict']}**", r["holm_verdict"]]
               for _, r in effects.iterrows()]

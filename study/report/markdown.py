@@ -20,6 +20,7 @@ from study.report.figures import FigureInfo
 from study.report.stats import (
     ALPHA,
     NO_SPREAD_TEST,
+    NO_SPREAD_WHY,
     finite,
     holm_adjust,
     paired_differences,
@@ -477,13 +478,7 @@ def _no_spread_note(doc: Doc, tables: list[pd.DataFrame]) -> None:
     """Where a paired table has a row with no spread, what its interval, p-value and verdict are instead."""
     if not any(_no_spread(r) for t in tables for _, r in t.iterrows()):
         return
-    doc.p("*No spread*: where every pair differs by the same amount (a metric that moves in steps, such as accuracy "
-          "on a small dev set, can repeat a difference exactly), the t-test is degenerate (sd 0, so t is infinite and "
-          "its p 0) and a zero-width interval would claim a certainty that n equal differences do not give. Such a "
-          "row has no interval; its p-value is the exact two-sided sign-flip test's (Fisher 1935, *The Design of "
-          "Experiments*, §21): of the 2ⁿ sign assignments only the 2 with every sign alike reach that mean, so p = "
-          "2¹⁻ⁿ (0.5 for 2 pairs, 0.0625 for 5; below 0.05 only from 6 pairs on), and its verdict follows that p at "
-          "0.05.")
+    doc.p(f"*No spread*: {NO_SPREAD_WHY}, and the verdict follows that p at 0.05.")
 
 
 def _paired_section(doc: Doc, results: SweepResults, task: str, metric: str, direction: str,

@@ -29,6 +29,13 @@ ALPHA = 1 - CONFIDENCE
 SPREAD_RTOL = 1e-6
 NO_SPREAD_TEST = "exact sign-flip (no spread)"  # PairedDifference.test where the differences have no spread
 T_TEST = "paired t"
+# Why a row with no spread has no interval and which p it carries, for the reports' notes (markdown.py, compare.py)
+NO_SPREAD_WHY = ("where every pair differs by the same amount (a metric that moves in steps, such as accuracy on a "
+                 "small dev set, can repeat a difference exactly), the t-test is degenerate (sd 0: an infinite t, a p "
+                 "of 0) and a zero-width interval would claim a certainty that n equal differences do not give, so "
+                 "there is no interval; the p-value is the exact two-sided sign-flip test's (Fisher 1935, *The Design "
+                 "of Experiments*, §21): of the 2ⁿ sign assignments only the 2 with every sign alike reach that mean, "
+                 "so p = 2¹⁻ⁿ (0.5 for 2 pairs, 0.0625 for 5; below 0.05 only from 6 pairs on)")
 
 
 @dataclass(frozen=True)
