@@ -406,8 +406,10 @@ def main(argv: list[str] | None = None) -> None:
     record["wall_s"] = round(time.perf_counter() - start, 1)
     print(f"\n{record['wall_s']} s")
     if not args.quick:
-        out = args.out or ROOT / "bench" / "results" / f"axis-cost-{_dt.date.today().isoformat()}.json"
-        out.write_text(json.dumps(record, indent=1) + "\n")
+        from study.io import atomic_write_text, unused_path
+
+        out = args.out or unused_path(ROOT / "bench" / "results" / f"axis-cost-{_dt.date.today().isoformat()}.json")
+        atomic_write_text(out, json.dumps(record, indent=1) + "\n")
         print(f"wrote {out}")
 
 

@@ -74,8 +74,10 @@ def main() -> int:
     record = {"date": datetime.date.today().isoformat(), "run_dir": str(run), "precision": cfg.train.precision,
               "beam": cfg.task.beam_size, "recipe_length_penalty": cfg.task.length_penalty,
               "chosen_on_valid": best["alpha"], "rows": rows, "machine": machine(torch.get_num_threads())}
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"length-penalty-{run.name}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    from study.io import atomic_write_text, unused_path
+
+    out = Path(args.out) if args.out else unused_path(ROOT / "bench" / "results" / f"length-penalty-{run.name}.json")
+    atomic_write_text(out, json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -5,7 +5,8 @@
 Records the wall time of the whole command (process start, imports, data, training,
 evaluation, writing), the run's metrics.json and resolved config, and the machine,
 in bench/results/run-<name>.json. The run directory goes to bench/runs/<name>
-(not committed) and is replaced on each call.
+(not committed) and is replaced on each call. A record already there is never replaced unless
+--replace says so (a second seed needs its own name: --label or --set name=...).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from study.io import atomic_write_text  # noqa: E402
 
 
 def main() -> int:
@@ -32,6 +35,7 @@ def main() -> int:
     parser.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR", str(ROOT.parent / "shared" / "data")))
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--label", help="name of the record (default: the experiment name)")
+    parser.add_argument("--replace", action="store_true", help="replace the record of that name if there is one")
     args = parser.parse_args()
 
     name = yaml.safe_load(Path(args.config).read_text()).get("name", "experiment")
@@ -39,6 +43,10 @@ def main() -> int:
         if override.startswith("name="):
             name = override.split("=", 1)[1]
     label = args.label or name
+    out = ROOT / "bench" / "results" / f"run-{label}.json"
+    if out.exists() and not args.replace:  # before anything runs or is deleted
+        parser.error(f"{out} holds an earlier record: name this one with --label (or --set name=...), "
+                     "or pass --replace to replace it")
     run_dir = ROOT / "bench" / "runs" / label
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "study.cli", "run", args.config, "--data-dir", args.data_dir, "--out", str(run_dir)]
@@ -65,9 +73,8 @@ def main() -> int:
         "config": yaml.safe_load((run_dir / "config.yaml").read_text()),
         "environment": environment,
     }
-    out = ROOT / "bench" / "results" / f"run-{label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    atomic_write_text(out, json.dumps(record, indent=2, default=str) + "\n")
     summary = {k: v for k, v in metrics["metrics"].items() if not isinstance(v, (dict, list))}
     print(json.dumps({"label": label, "wall_s": round(wall, 1), "steps": metrics["steps"], **summary}, indent=2))
     print(f"recorded {out}")

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from study.io import dump_yaml
+from study.io import atomic_write_text, dump_yaml, unused_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / f"sweep-overhead-{datetime.date.today()}.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/sweep-overhead-<date>.json)")
     args = parser.parse_args()
     ways = ("study run", "spawn", "fork")
     per_round: list[dict[str, float]] = []
@@ -138,8 +138,9 @@ def main() -> int:
               "trials": args.trials, "steps": args.steps, "threads": args.threads, "rounds": per_round,
               "median_fixed_seconds_per_trial": summary, "median_ratio_fork_to_spawn": ratio,
               "mean_seconds_per_trial_by_round": means}
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"written: {args.out}")
+    out = Path(args.out) if args.out else unused_path(ROOT / "bench" / "results" / f"sweep-overhead-{datetime.date.today()}.json")
+    atomic_write_text(out, json.dumps(record, indent=2) + "\n")
+    print(f"written: {out}")
     return 0
 
 

@@ -60,6 +60,7 @@ import gc
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -74,6 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from study.io import unused_path  # noqa: E402
 from study.run.environment import cpu_flags, cpu_model  # noqa: E402
 
 VOCAB, SEQ, BATCH = 8000, 128, 32
@@ -695,8 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     bf16_native = max(gemm["bf16"].values()) >= 0.5 * max(gemm["fp32"].values())
     env["bf16_native_matmul"] = bf16_native
 
-    suffix = "-" + torch.cuda.get_device_name().split()[-1].lower() if on_gpu else ""
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"throughput-{now:%Y-%m-%d}{suffix}.json"
+    suffix = "-" + re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-") if on_gpu else ""
+    # (the default name is never an earlier record's: this run rewrites its own file after every cell)
+    out = Path(args.out) if args.out else unused_path(ROOT / "bench" / "results" / f"throughput-{now:%Y-%m-%d}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     gemm_record = {"start": gemm}
 

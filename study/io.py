@@ -73,6 +73,17 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def unused_path(path: str | Path) -> Path:
+    """`path`, or, where a file is already there, the first free one of `<stem>-2<suffix>`, `<stem>-3<suffix>`, ...:
+    a benchmark's record named by its date never replaces one written earlier that day."""
+    path = Path(path)
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
 def file_sha256(path: str | Path) -> str:
     """The SHA-256 hex digest of a file's bytes, read in 1 MiB blocks (a model.pt need not fit in memory twice)."""
     digest = hashlib.sha256()

@@ -4,6 +4,7 @@ directory carries the tokenizer. Plus a real-data smoke test on WikiText-2 (mark
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from study.config import ConfigError, ExperimentConfig
 from study.run import run_experiment
-from study.tasks.base import lr_multiplier, time_aware_multiplier
+from study.tasks.base import TimeAwareSchedule, lr_multiplier
 from study.tasks.pretrain import (
     CLS,
     IGNORE,
@@ -179,7 +180,7 @@ def test_wikitext_sentences():
 def test_time_aware_schedule_decays_by_time_when_time_runs_out_first():
     cfg = make_cfg().train.replace(max_steps=1000, warmup_steps=10, max_time_s=100.0, schedule="linear", min_lr_ratio=0.0)
     elapsed = [0.0]
-    mult = time_aware_multiplier(cfg, lambda: elapsed[0])
+    mult = TimeAwareSchedule(cfg, lambda: elapsed[0])
     assert mult(0) == lr_multiplier(0, cfg)  # warm-up by steps
     assert mult(10) == pytest.approx(1.0)
     elapsed[0] = 50.0  # half the time spent, 1% of the steps
@@ -188,8 +189,30 @@ def test_time_aware_schedule_decays_by_time_when_time_runs_out_first():
     assert mult(30) == pytest.approx(0.0, abs=1e-3)
     elapsed[0] = 1.0  # steps run out first: the step schedule
     assert mult(505) == pytest.approx(lr_multiplier(505, cfg))
-    untimed = time_aware_multiplier(cfg.replace(max_time_s=None), lambda: 99.0)
+    untimed = TimeAwareSchedule(cfg.replace(max_time_s=None), lambda: 99.0)
     assert untimed(500) == lr_multiplier(500, cfg)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_a_time_limited_schedule_goes_on_from_its_peak_where_a_long_warm_up_ends(schedule):
+    """Warm-up took a third of the time budget: the decay shares out the two thirds left, so the rate is at its peak
+    on both sides of warm-up's end (not cut at once to where a third of the budget would put it), and a run resumed
+    with the time warm-up ended (the checkpoint keeps it) takes the same rates."""
+    cfg = make_cfg().train.replace(max_steps=10_000, warmup_steps=100, max_time_s=90.0, schedule=schedule,
+                                   min_lr_ratio=0.0)
+    elapsed = [29.9]
+    mult = TimeAwareSchedule(cfg, lambda: elapsed[0])
+    assert mult(99) == pytest.approx(1.0)  # warm-up's last step
+    elapsed[0] = 30.0
+    assert mult(100) == pytest.approx(1.0, abs=1e-3)
+    elapsed[0] = 60.0  # half of what warm-up left, 1% of the steps: half-way through the decay
+    half = lr_multiplier(100 + (10_000 - 100) // 2, cfg)
+    assert mult(110) == pytest.approx(half, abs=1e-3)
+    resumed = TimeAwareSchedule(cfg, lambda: elapsed[0])
+    resumed.warmup_end_s = mult.warmup_end_s
+    assert resumed(110) == mult(110)
+    elapsed[0] = 90.0
+    assert mult(120) == pytest.approx(0.0, abs=1e-6)
 
 
 # --- config -------------------------------------------------------------------------------------------------------
@@ -231,6 +254,30 @@ def test_the_loss_is_mlm_plus_the_weighted_nsp_loss(wikitext, tmp_path):
     assert torch.allclose(bert["loss"], bert["mlm_loss"] + bert["nsp_loss"])  # BERT's unweighted sum
     assert torch.allclose(weighted["mlm_loss"], bert["mlm_loss"]) and torch.allclose(weighted["nsp_loss"], bert["nsp_loss"])
     assert torch.allclose(weighted["loss"], bert["mlm_loss"] + 3.0 * bert["nsp_loss"])
+
+
+def test_a_batch_with_nothing_masked_adds_no_mlm_loss_and_no_nan(wikitext, tmp_path):
+    """A short last batch can draw no masked token: its MLM loss is 0 and counts 0 tokens, so an evaluation's mean
+    over batches is that of the others (a mean over nothing would be NaN, poisoning the mean and, in training,
+    stopping the run as diverged)."""
+    from study.tasks.pretrain import PretrainModule, masked_batch
+
+    cfg = make_cfg(nsp=True)
+    dm = PretrainDataModule(cfg, data_dir=wikitext, cache_dir=tmp_path)
+    dm.prepare()
+    d = cfg.to_dict()
+    d["model"].update(dm.model_overrides())
+    torch.manual_seed(0)
+    module = PretrainModule(ExperimentConfig.from_dict(d))
+    masked = dm._train_batch(0)
+    plain = {k: v for k, v in masked.items() if k not in ("labels", "mlm_positions")}
+    none = masked_batch(plain, dm.tokenizer.vocab_size, 0.0, torch.Generator().manual_seed(0))
+    assert none["mlm_positions"].numel() == 0
+    with torch.no_grad():
+        out = module.losses(none)
+    assert out["mlm_count"] == 0 and out["mlm_loss"].item() == 0.0 and torch.isfinite(out["loss"])
+    alone, with_empty = module.evaluate([masked]), module.evaluate([masked, none])
+    assert with_empty["mlm_loss"] == pytest.approx(alone["mlm_loss"]) and math.isfinite(with_empty["mlm_loss"])
 
 
 @pytest.mark.parametrize("nsp", [True, False])

@@ -366,3 +366,6 @@ def test_unsupported_models_and_features_raise():
         config_from_hf(transformers.GPT2Config(n_embd=32, n_head=4, n_layer=1, scale_attn_by_inverse_layer_idx=True))
     with pytest.raises(UnsupportedHFModel, match="BertForTokenClassification"):
         from_hf(transformers.BertForTokenClassification(bert_config(32, 4, 64, "gelu")))
+    two_layers = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=64))
+    with pytest.raises(UnsupportedHFModel, match="2 layers and ours 1"):  # never the first layer alone, silently
+        from_hf(two_layers, n_layers=1)

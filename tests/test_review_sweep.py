@@ -162,6 +162,25 @@ def test_a_pruned_tuning_trial_reaped_before_it_is_ended_is_lost_not_the_end_of_
     assert [t.user_attrs["attempt"] for t in retry] == [2]
 
 
+def test_a_worker_interrupted_while_its_trial_process_starts_gives_the_trial_back(tmp_path):
+    """Ctrl-C while the launcher starts the trial (the zygote imports torch and Lightning for seconds): the attempt
+    is recorded interrupted and the trial is queued again, not left RUNNING for the grace period to reap as lost
+    (which would spend one of its retries)."""
+    plan, layout, url, queue = _sweep(tmp_path, **ONE_POINT)
+
+    class Launcher:
+        def start(self, cmd, env, log):
+            raise KeyboardInterrupt
+
+    claimed = queue.claim(set(all_keys(plan)))
+    with pytest.raises(KeyboardInterrupt):
+        worker.run_trial(queue, layout, claimed, plan, worker.WorkerOptions(), Launcher())
+    (key,) = all_keys(plan)
+    assert queue.counts([key]) == {"done": 0, "running": 0, "queued": 1, "failed": 0, "not queued": 0}
+    run_dir = next(Path(layout.sweep_dir).parent.rglob("trial.json")).parent
+    assert _outcomes(run_dir) == ["interrupted"]
+
+
 def test_a_claim_ended_underneath_by_another_process_is_skipped_not_raised(tmp_path, monkeypatch):
     plan, layout, url, queue = _sweep(tmp_path, seeds=[0, 1], axes={"model.norm_position": ["pre"]})
     fired = _reaped_at(monkeypatch, queue, url, "heartbeat", after=False)

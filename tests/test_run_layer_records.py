@@ -8,6 +8,7 @@ a few steps each."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import pytest
@@ -141,7 +142,7 @@ def test_shared_stages_and_suite_parts_meet_other_data_as_a_plain_run_does(data,
 
 # -- a pretrained run forced anew ----------------------------------------------------------------------------------
 
-def test_a_suite_fine_tuned_from_a_pretrained_run_since_forced_anew_is_fine_tuned_again(data, tmp_path):
+def test_a_suite_fine_tuned_from_a_pretrained_run_since_forced_anew_is_fine_tuned_again(data, tmp_path, caplog):
     """Forcing the pretrained run replaces its model.pt. A suite fine-tuned from the old one holds GLUE scores of a
     model that is no longer there: run again, it fine-tunes every part from the model now on disk, as a forced
     rerun of the pretraining leads one to expect, instead of handing back the old scores as the new model's."""
@@ -160,8 +161,13 @@ def test_a_suite_fine_tuned_from_a_pretrained_run_since_forced_anew_is_fine_tune
                    cache_dir=tmp_path / "c", force=True)
     new = digest(pre / "model.pt")
     assert new != old
-    again = run_experiment(suite, tmp_path / "s", data_dir=data, cache_dir=tmp_path / "c")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="study.run"):
+        again = run_experiment(suite, tmp_path / "s", data_dir=data, cache_dir=tmp_path / "c")
     assert again["status"] == "completed"
+    said = [r.getMessage() for r in caplog.records if str(tmp_path / "s") in r.getMessage()]
+    assert any("fine-tuned from another model" in m for m in said)  # and never that it had nothing to do
+    assert not any(m.startswith(f"{tmp_path / 's'} already finished") for m in said)
     assert [started_from(p) for p in parts] == [new, new]
     assert {d["model_sha256"] for d in read_json(tmp_path / "s" / "data.json")["parts"].values()} == {new}
     # and, run once more, the suite fine-tuned from the model on disk is handed back as it is

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from study.sweep.zygote import Zygote
+from study.sweep.zygote import TrialProcess, Zygote
 
 RUNNER = "tests.zygote_runners:run"
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +67,8 @@ def test_a_failing_trial_reports_its_exit_code_and_its_traceback_goes_to_the_log
 def test_every_child_draws_fresh_random_numbers_as_a_new_interpreter_would(tmp_path, runner):
     """torch and Python's `random` are seeded from the OS in each child (a new interpreter's are): nothing carries
     over from one trial to the next, whether torch was imported before the fork (the default runner preloads it) or
-    after."""
+    after. The zygote is a single-threaded process when it forks (the OpenBLAS pools its imports start are stopped
+    for the fork), so no lock another thread held is copied locked into the child."""
     env = {k: v for k, v in os.environ.items() if k != "STUDY_STORAGE"}
     z = Zygote(runner, {**env, "PYTHONPATH": str(ROOT)})
     (tmp_path / "point.yaml").write_text(yaml.safe_dump({"name": "z", "task": {"name": "lm"}}))
@@ -81,6 +82,7 @@ def test_every_child_draws_fresh_random_numbers_as_a_new_interpreter_would(tmp_p
     finally:
         z.close()
     assert draws[0]["torch"] != draws[1]["torch"] and draws[0]["python"] != draws[1]["python"]
+    assert draws[0]["zygote_threads"] == "1"
 
 
 def test_a_child_can_be_killed_and_a_wait_times_out_meanwhile(zygote):
@@ -92,13 +94,38 @@ def test_a_child_can_be_killed_and_a_wait_times_out_meanwhile(zygote):
     assert child.wait(timeout=30) == -signal.SIGKILL
 
 
+def test_a_kill_reaches_only_a_child_the_zygote_has_not_reaped(zygote):
+    """The worker kills a trial through the zygote, its parent: once the zygote has reaped a child, its pid may be
+    another process's, which the kill must never reach (here a process of ours stands in for one given that pid)."""
+    z, tmp = zygote
+    child = z.start(_argv(tmp, "e"), str(tmp / "e.log"), 1, {"STUDY_ZYGOTE_MODE": "ok"})
+    assert child.wait(timeout=60) == 0
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale = TrialProcess(z, bystander.pid)  # a handle whose pid the zygote does not hold (any more)
+        stale.kill()
+        # the zygote reads its requests in order: once the next child has ended, the kill has been handled
+        assert z.start(_argv(tmp, "f"), str(tmp / "f.log"), 1, {"STUDY_ZYGOTE_MODE": "ok"}).wait(60) == 0
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.parametrize("mode, code, logged", [("exit-quietly", 0, None), ("exit-with-text", 1, "scripted reason")])
+def test_a_trial_that_calls_sys_exit_ends_as_an_interpreter_would(zygote, mode, code, logged):
+    z, tmp = zygote
+    assert z.start(_argv(tmp, "g"), str(tmp / "g.log"), 1, {"STUDY_ZYGOTE_MODE": mode}).wait(60) == code
+    assert logged is None or logged in (tmp / "g.log").read_text()
+
+
 def test_the_children_die_with_the_worker(tmp_path):
     """A worker killed with SIGKILL takes its zygote and the zygote's trial with it."""
     (tmp_path / "point.yaml").write_text(yaml.safe_dump({"name": "z", "task": {"name": "lm"}}))
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from study.sweep.zygote import Zygote
+        from study.sweep.zygote import TrialProcess, Zygote
         env = dict(os.environ, PYTHONPATH={str(ROOT)!r}, STUDY_ZYGOTE_MODE="sleep")
         z = Zygote({RUNNER!r}, env)
         child = z.start({_argv(tmp_path, "e")!r}, {str(tmp_path / "e.log")!r}, 1, {{}})

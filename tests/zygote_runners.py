@@ -1,10 +1,11 @@
 """A trial runner for tests/test_zygote.py, scripted by $STUDY_ZYGOTE_MODE: ok (record what the child sees), fail,
-sleep (until killed)."""
+sleep (until killed), exit-quietly (sys.exit()), exit-with-text (sys.exit("..."))."""
 
 from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +19,10 @@ def run(cfg, run_dir, data_dir=None, cache_dir=None):
     print("hello from the trial")
     if mode == "fail":
         raise RuntimeError("scripted failure")
+    if mode == "exit-quietly":
+        sys.exit()
+    if mode == "exit-with-text":
+        sys.exit("scripted reason")
     if mode == "ddp-command":  # what Lightning's DDP launcher would start for the other ranks
         from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 
@@ -25,7 +30,6 @@ def run(cfg, run_dir, data_dir=None, cache_dir=None):
         return
     if mode in ("rank-left", "rank-sleep"):  # as Lightning's DDP launcher starts rank 1: a plain Popen
         import subprocess
-        import sys
 
         rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         (run_dir / "rank.pid").write_text(str(rank.pid))
@@ -39,4 +43,5 @@ def run(cfg, run_dir, data_dir=None, cache_dir=None):
 
     threads = torch.get_num_threads()
     draws = f"torch={torch.rand(1).item()!r} python={random.random()!r}"
-    (run_dir / "out.txt").write_text(f"seed={cfg.train.seed} mode={mode} threads={threads} {draws}\n")
+    zygote = f"zygote_threads={len(os.listdir(f'/proc/{os.getppid()}/task'))}"  # as it forked: it has done nothing since
+    (run_dir / "out.txt").write_text(f"seed={cfg.train.seed} mode={mode} threads={threads} {draws} {zygote}\n")

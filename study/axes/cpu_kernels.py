@@ -7,9 +7,11 @@ embedding or gated unit (SwiGLU, GEGLU; where ReLU and GELU get one kernel each 
 slower than its erf form, and its cross-entropy makes several passes over each chunk of logits; no maintained library
 ships them for CPU tensors (Apex's, FlashAttention's and Liger's, whose fused linear cross-entropy is the model for
 study/model/loss.py, are CUDA/Triton).
-`torch.utils.cpp_extension.load` compiles `kernels/<name>.cpp` once per machine into torch's extension cache (a file
-lock guards concurrent builds), with OpenMP threads sized to `torch.get_num_threads()` at each call, as
-TorchInductor's CPU kernels do.
+`torch.utils.cpp_extension.load` compiles every `kernels/*.cpp` into one library, once per machine, into torch's
+extension cache (a file lock guards concurrent builds): ninja compiles the files in parallel, where one extension per
+kernel was built one after another as each was first used (15-30 s each on two cores, mostly parsing torch's
+headers). Each file registers its own `torch.ops.study_<name>`; OpenMP threads are sized to `torch.get_num_threads()`
+at each call, as TorchInductor's CPU kernels do.
 
 Where no compiler or ninja is found, or STUDY_CPU_KERNELS=0, the callers keep their eager path after one warning: the
 same function (tests/test_norm_kernels.py, tests/test_rotary_kernel.py, tests/test_activation_kernels.py,
@@ -39,7 +41,8 @@ _ISA_FLAGS = {  # what the build may assume: the capability torch itself dispatc
 # (bench/README.md). Nothing the kernels compute changes: no reassociation, and infinities and NaN behave as before
 # (the option only drops floating-point exception flags, which nothing here reads).
 _VALUE_SAFE_FLAGS = ["-fno-trapping-math"]
-_loaded: dict[str, Any] = {}
+_loaded: dict[str, Any] = {}  # name -> its ops, or None: the eager path
+_built: bool | None = None  # the library: built and loaded, failed, or not yet tried
 
 
 def _ninja_on_path() -> None:
@@ -48,7 +51,8 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build(name: str) -> Any:
+def _build() -> None:
+    """Compile (or load from torch's cache) the one library of every kernel: its ops are registered as it loads."""
     from torch.utils import cpp_extension
 
     _ninja_on_path()
@@ -56,10 +60,9 @@ def _build(name: str) -> Any:
     flags = ["-O3", "-fopenmp", "-std=c++17", f"-DSTUDY_HEADERS={_headers_digest()}", *_VALUE_SAFE_FLAGS]
     flags += _ISA_FLAGS.get(capability, [])
     cpp_extension.load(
-        name=f"study_{name}_{capability.lower()}", sources=[str(KERNELS / f"{name}.cpp")],
+        name=f"study_kernels_{capability.lower()}", sources=[str(p) for p in sorted(KERNELS.glob("*.cpp"))],
         extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
     )
-    return getattr(torch.ops, f"study_{name}")
 
 
 def _headers_digest() -> str:
@@ -72,17 +75,20 @@ def _headers_digest() -> str:
 
 
 def cpu_ops(name: str) -> Any | None:
-    """`torch.ops.study_<name>` built from kernels/<name>.cpp, or None where it cannot be built (warned once)."""
+    """`torch.ops.study_<name>` from kernels/<name>.cpp, or None where the kernels cannot be built (warned once)."""
+    global _built
     if name not in _loaded:
         if os.environ.get("STUDY_CPU_KERNELS", "1") == "0":
-            _loaded[name] = None
-        else:
+            _built = False
+        elif _built is None:
             try:
-                _loaded[name] = _build(name)
+                _build()
+                _built = True
             except Exception as e:  # no compiler, no ninja, a failed build: the eager path computes the same
-                warnings.warn(f"study: the C++ CPU kernel {name!r} could not be built ({type(e).__name__}: "
-                              f"{str(e)[:300]}); using the eager PyTorch path", stacklevel=2)
-                _loaded[name] = None
+                warnings.warn(f"study: the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:300]}); "
+                              "using the eager PyTorch paths", stacklevel=2)
+                _built = False
+        _loaded[name] = getattr(torch.ops, f"study_{name}") if _built else None
     return _loaded[name]
 
 

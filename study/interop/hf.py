@@ -302,6 +302,15 @@ def _check_tied(model: TransformerBase, head: nn.Module | None, embedding: torch
                                  "input embeddings; set tie_word_embeddings=False to import both")
 
 
+def _paired_blocks(ours: nn.ModuleList, theirs: nn.ModuleList, what: str):
+    """(our block, theirs) for every layer; a different number of layers is refused (zip would import the first
+    layers and leave the rest as they were initialised, with nothing reported missing)."""
+    if len(ours) != len(theirs):
+        raise UnsupportedHFModel(f"{what}: the Hugging Face model has {len(theirs)} layers and ours {len(ours)}; "
+                                 "build ours with its n_layers (an override may not change the depth)")
+    return zip(ours, theirs)
+
+
 def _load_bert(model: EncoderModel, hf, copy: _Copier) -> None:
     bert = getattr(hf, "bert", hf)
     emb = bert.embeddings
@@ -310,7 +319,7 @@ def _load_bert(model: EncoderModel, hf, copy: _Copier) -> None:
     copy(enc.position.table.weight, emb.position_embeddings.weight, "embeddings.position_embeddings.weight")
     copy(enc.type_embedding.weight, emb.token_type_embeddings.weight, "embeddings.token_type_embeddings.weight")
     copy.norm(enc.embedding_norm, emb.LayerNorm, "embeddings.LayerNorm")
-    for i, (ours, theirs) in enumerate(zip(enc.blocks, bert.encoder.layer)):
+    for i, (ours, theirs) in enumerate(_paired_blocks(enc.blocks, bert.encoder.layer, "bert")):
         p = f"encoder.layer.{i}"
         sa = theirs.attention.self
         copy.linear(
@@ -352,7 +361,7 @@ def _load_gpt2(model: DecoderLM, hf, copy: _Copier) -> None:
     dec = model.decoder
     copy(model.token_embedding.weight, tr.wte.weight, "wte.weight")
     copy(dec.position.table.weight, tr.wpe.weight, "wpe.weight")
-    for i, (ours, theirs) in enumerate(zip(dec.blocks, tr.h)):
+    for i, (ours, theirs) in enumerate(_paired_blocks(dec.blocks, tr.h, "gpt2")):
         p = f"h.{i}"
         # Conv1D: y = x @ W + b with W of shape (in, out) -> nn.Linear weight is W.T
         copy.norm(ours.self_attn_residual.norm, theirs.ln_1, f"{p}.ln_1")
@@ -372,7 +381,7 @@ def _load_llama(model: DecoderLM, hf, copy: _Copier) -> None:
     base = getattr(hf, "model", hf)
     dec = model.decoder
     copy(model.token_embedding.weight, base.embed_tokens.weight, "embed_tokens.weight")
-    for i, (ours, theirs) in enumerate(zip(dec.blocks, base.layers)):
+    for i, (ours, theirs) in enumerate(_paired_blocks(dec.blocks, base.layers, "llama")):
         p = f"layers.{i}"
         at, mlp = theirs.self_attn, theirs.mlp
         copy.norm(ours.self_attn_residual.norm, theirs.input_layernorm, f"{p}.input_layernorm")

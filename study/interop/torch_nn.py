@@ -19,6 +19,11 @@ the projections and of the LayerNorms, which is exactly what our `bias=False` do
 
 Mask conventions differ: torch's `*_key_padding_mask` is True at *padding*; ours (and
 `run_block` here) takes True at *real tokens*.
+
+Dropout: the two compute the same function in eval mode, or with dropout 0. In training with dropout > 0
+they regularise differently: torch's layer also drops out inside the feed-forward block, after the
+activation (`linear2(dropout(activation(linear1(x))))`), where our FFN, as GPT-2's, Llama's and the
+original Transformer's (Vaswani et al. 2017, section 5.4: dropout on each sublayer's output), has none.
 """
 
 from __future__ import annotations
@@ -157,8 +162,9 @@ def load_torch_layer(block: Block, layer: TorchLayer) -> Block:
 
 
 def block_from_torch(layer: TorchLayer, layer_idx: int = 0, **overrides) -> Block:
-    """A new `Block` equivalent to `layer` (config from `config_from_torch_layer`), in the
-    layer's train/eval mode. The config is at `block.config`."""
+    """A new `Block` with `layer`'s weights and config (`config_from_torch_layer`), in the layer's
+    train/eval mode: the same function in eval mode or without dropout (the module's docstring says
+    how training with dropout differs). The config is at `block.config`."""
     cfg = config_from_torch_layer(layer, **overrides)
     block = Block(cfg, layer_idx, span="global", cross=isinstance(layer, nn.TransformerDecoderLayer))
     block.config = cfg

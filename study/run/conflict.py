@@ -43,9 +43,13 @@ def finished_run(run: RunDir, cfg: Config, force: bool, data_decided: tuple[str,
         wanted = _with_stored_init_from(stored, wanted)
         if stored != wanted:
             raise RunDirConflict.between(run.path, stored, wanted)
-    record = run.finished()
-    if record is not None:
-        log.info("%s already finished (%s); nothing to do", run.path, record["status"])
+    return run.finished()
+
+
+def handed_back(run: RunDir, record: dict[str, Any]) -> dict[str, Any]:
+    """`record`, the finished run in `run` that a caller hands back untrained, saying so. (Logged by the caller once
+    it has decided: a finished run it must run again, e.g. fine-tuned from a since-replaced model, is not one.)"""
+    log.info("%s already finished (%s); nothing to do", run.path, record["status"])
     return record
 
 

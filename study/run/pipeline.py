@@ -31,7 +31,7 @@ from study.config.pipeline import stage_ref
 from study.io import atomic_write_json, atomic_write_text, exclusive_lock
 from study.model.precision import resolve_precision
 from study.record import COMPLETED, RunDir, extras, make_record, stage_run_dirs
-from study.run.conflict import finished_run
+from study.run.conflict import finished_run, handed_back
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
     cfg = resolved_precision(cfg)
     if (done := finished_run(run, cfg, force)) is not None:
         if (replaced := replaced_stage(cfg, run, done)) is None:
-            return done
+            return handed_back(run, done)
         log.warning("%s; the pipeline runs again from its stages as they are now", replaced)
     refuse_unrunnable_stages(cfg)
     refuse_missing_data(cfg, data_dir)

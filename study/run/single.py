@@ -23,7 +23,7 @@ from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text, file_sha256, read_json_or_none
 from study.model.accounting import cost_summary
 from study.record import COMPLETED, DIVERGED, RunDir, make_record
-from study.run.conflict import finished_run, refuse_other_data
+from study.run.conflict import finished_run, handed_back, refuse_other_data
 from study.run.environment import peak_memory_bytes, prepare_training_process, reset_peak_memory
 from study.tasks import family
 
@@ -264,7 +264,7 @@ def run_single(
     if (replaced := None if force else replaced_start(run, cfg.task.init_from)) is not None:
         log.warning("%s; it runs again, from scratch, from the model there now", replaced)
     elif done is not None:
-        return done
+        return handed_back(run, done)
     started = time.time()
     dm, cfg = _prepare_data(cfg, data_dir, cache_dir)
     finished_run(run, cfg, force, data_decided=())  # a directory holding another config's (unfinished) run

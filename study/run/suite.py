@@ -21,7 +21,7 @@ from study.config import ExperimentConfig
 from study.io import atomic_write_json, atomic_write_text, read_json_or_none
 from study.model.accounting import parameter_count
 from study.record import COMPLETED, COSTS, DIVERGED, RunDir, make_record
-from study.run.conflict import finished_run
+from study.run.conflict import finished_run, handed_back
 from study.run.single import discard_result, launch_rank, replaced_start, run_single
 from study.tasks import family
 
@@ -49,7 +49,7 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
     if (replaced := None if force else replaced_start(run, cfg.task.init_from)) is not None:
         log.warning("%s; its parts fine-tuned from that model run again", replaced)
     elif done is not None:
-        return done
+        return handed_back(run, done)
     started = time.time()
     parts = task.sub_runs(cfg, data_dir)  # data problems (a missing task) surface here, before any training
     prepare_training_process(cfg.train.accelerator)  # as its parts will: env.json records what they train with

@@ -254,6 +254,9 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
         child = (launcher or Launcher(WorkerOptions(launcher="spawn"))).start(cmd, env, run.trial_log)
     except Exception as err:  # noqa: BLE001
         return _settle(queue, layout, plan, attempt, _note_start_failure(run.trial_log, err))
+    except BaseException:  # Ctrl-C or SIGTERM while the zygote imports (seconds): nothing started, the trial goes back
+        _interrupted(queue, claimed, attempt, sweep)
+        raise
     try:
         rc = _supervise(queue, child, attempt, pruning)
     except TrialPruned:
@@ -275,12 +278,17 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
         return "lost"
     except BaseException:  # Ctrl-C or SIGTERM: stop the child, give the trial back
         _stop(child)
-        attempt.write(sweep, ended=time.time(), outcome="interrupted")
-        with contextlib.suppress(StorageError):  # (the storage gone for good: the grace period gives it back)
-            queue.release(claimed, "worker interrupted")
-            attempt.tell_failed()
+        _interrupted(queue, claimed, attempt, sweep)
         raise
     return _settle(queue, layout, plan, attempt, rc)
+
+
+def _interrupted(queue: TrialQueue, claimed: Claimed, attempt: Attempt, sweep: str) -> None:
+    """The worker was interrupted during this attempt: its record says so, and the trial goes back to the queue."""
+    attempt.write(sweep, ended=time.time(), outcome="interrupted")
+    with contextlib.suppress(StorageError):  # (the storage gone for good: the grace period gives it back)
+        queue.release(claimed, "worker interrupted")
+        attempt.tell_failed()
 
 
 def _start_failed(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,

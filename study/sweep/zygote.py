@@ -14,17 +14,24 @@ process that has already imported them starts in milliseconds, and keeps what a 
   has no $STUDY_STORAGE, and before the worker reads anything else.
 
 The zygote never runs a torch operation, so no OpenMP thread pool or CUDA context exists when it forks (neither
-survives a fork); each child sets its own thread count. Python's multiprocessing 'forkserver' does the same for
+survives a fork). Its only other threads are the pools NumPy's and torch's OpenBLAS start at import, and OpenBLAS
+stops them before every fork (its pthread_atfork handler) and restarts them on its next call: a child is forked
+from a single-threaded process, as a fork needs (a lock another thread held would stay locked in the child; Python
+3.12's warning about forking a multi-threaded process counts the threads before that handler runs). Each child sets
+its own thread count. Python's multiprocessing 'forkserver' does the same for
 functions; here a child runs the trial's command line (`study.sweep.trial.main`), so the worker keeps supervising an
 exit code and a log file, as with a subprocess.
 
 Protocol (one JSON object per line): the worker writes {"argv", "log", "threads", "env"}; the zygote answers
-{"pid"} at once and {"pid", "exit"} when that child ends. End of input (the worker closed the pipe or died): the
+{"pid"} at once and {"pid", "exit"} when that child ends. The worker writes {"kill": pid} to stop a child: the zygote,
+its parent, kills it only while it has not reaped it, so a pid the system has since given to another process is never
+killed (the worker cannot know that: the child is not its own). End of input (the worker closed the pipe or died): the
 zygote kills its children and exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import importlib.util
@@ -39,17 +46,19 @@ from typing import Any
 
 from study.sweep.trial import DEFAULT_RUNNER
 
-# What the default runner imports before training; a custom runner (the sweep tests' fakes) preloads its own module.
+# What the default runner imports before training; a custom runner (the sweep tests' fakes) preloads its own module
+# and what every trial's command imports before calling it (TRIAL: study.sweep.trial.main's config and lock).
 # torch.utils.cpp_extension loads the axis values' CPU kernels (study/axes/cpu_kernels.py): 0.1 s a trial otherwise.
 HEAVY = ("torch", "lightning", "study.run", "study.tasks.lm", "study.tasks.translation", "study.tasks.glue",
          "study.tasks.pretrain", "torch.utils.cpp_extension")
+TRIAL = ("study.sweep.trial", "study.config", "study.run.pipeline")
 
 
 def preload(runner: str) -> None:
     """Import what the trials will use, without creating a CUDA context: a child forked after one cannot use CUDA.
     torch.utils.cpp_extension asks torch.cuda.is_available() when it is imported on a CUDA build where a toolkit is
     found (CUDA_HOME, nvcc on PATH, /usr/local/cuda), which initialises CUDA unless the answer comes from NVML."""
-    modules = HEAVY if runner == DEFAULT_RUNNER else ("study.sweep.trial", runner.partition(":")[0])
+    modules = (*TRIAL, *(HEAVY if runner == DEFAULT_RUNNER else (runner.partition(":")[0],)))
     before = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:
@@ -94,9 +103,9 @@ class LineReader:
         return line.decode()
 
 
-def _child(request: dict[str, Any]) -> None:
-    """In the forked child: output to the trial's log, the trial's environment and threads, run it, exit. Never
-    returns (os._exit: the zygote's atexit handlers and buffers are not the child's to run)."""
+def _child(request: dict[str, Any], zygote: int) -> None:
+    """In the forked child of process `zygote`: output to the trial's log, the trial's environment and threads, run
+    it, exit. Never returns (os._exit: the zygote's atexit handlers and buffers are not the child's to run)."""
     code = 1
     try:
         # A process group of its own: killing the trial kills the ranks Lightning's DDP launcher started for it too
@@ -105,7 +114,7 @@ def _child(request: dict[str, Any]) -> None:
         os.setsid()
         die_with_parent()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if os.getppid() == 1:  # the zygote died before the line above took effect
+        if os.getppid() != zygote:  # it died before the line above took effect (the orphan went to init or a subreaper)
             os._exit(1)
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -127,8 +136,10 @@ def _child(request: dict[str, Any]) -> None:
         from study.sweep.trial import main
 
         code = main(request["argv"]) or 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
+    except SystemExit as stop:  # as the interpreter exits: sys.exit() is 0, sys.exit("why") prints why and is 1
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - the trial's error goes to its log, as a subprocess's would
         traceback.print_exc()
         code = 1
@@ -194,11 +205,17 @@ def serve(runner: str) -> None:
                 continue
             if line is None:
                 break
+            request = json.loads(line)
+            if "kill" in request:  # only a child not yet reaped: its pid cannot have been given to another process
+                if request["kill"] in children:
+                    kill_group(request["kill"])
+                continue
             out.flush()
+            zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
                 os.close(out.fileno())  # the replies are the zygote's: the worker must see their end when it dies
-                _child(json.loads(line))
+                _child(request, zygote)
             children.add(pid)
             out.write(json.dumps({"pid": pid}) + "\n")
             out.flush()
@@ -224,7 +241,7 @@ class TrialProcess:
 
     def kill(self) -> None:
         if self.returncode is None:
-            kill_group(self.pid)
+            self.zygote.kill(self.pid)
 
 
 class Zygote:
@@ -246,6 +263,12 @@ class Zygote:
         if message.get("pid") != pid or "exit" not in message:
             raise RuntimeError(f"trial zygote: expected the end of {pid}, got {message}")
         return int(message["exit"])
+
+    def kill(self, pid: int) -> None:
+        """Kill child `pid` (and its process group) if it still runs; the zygote decides, as its parent (see the
+        module's docstring). A zygote already gone took its children with it."""
+        with contextlib.suppress(OSError):  # (BrokenPipeError: it is gone)
+            self._send({"kill": pid})
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -46,21 +46,32 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * (1 - progress)  # linear
 
 
-def time_aware_multiplier(cfg: TrainConfig, training_seconds: Callable[[], float]) -> Callable[[int], float]:
+class TimeAwareSchedule:
     """`lr_multiplier` for a run that may stop on its time budget: with `train.max_time_s`, the decay after warm-up
     follows whichever runs out first, the steps or the time, so a run stopped by the clock ends with its learning
-    rate decayed as a step-limited run would (a schedule that assumed max_steps would stop mid-decay). The time is
-    read, not kept, so a resumed run (whose Timer restores the elapsed time) continues the same schedule."""
+    rate decayed as a step-limited run would (a schedule that assumed max_steps would stop mid-decay).
 
-    def multiplier(step: int) -> float:
+    Both measure from the end of warm-up: the decay's share of the time is what the budget leaves after warm-up, so
+    the rate goes on from its peak where warm-up ends (measured from time zero, a warm-up that took a third of the
+    budget would drop the rate from 1.0 to 0.78 of its peak, cosine, in one step). The time is read, not kept (a
+    resumed run's Timer restores the elapsed time); when warm-up ended is kept (`warmup_end_s`, in the checkpoint)."""
+
+    def __init__(self, cfg: TrainConfig, training_seconds: Callable[[], float]):
+        self.cfg, self.training_seconds = cfg, training_seconds
+        self.warmup_end_s: float | None = None  # training seconds when the first step after warm-up was scheduled
+
+    def __call__(self, step: int) -> float:
+        cfg = self.cfg
         if not cfg.max_time_s or step < cfg.warmup_steps or cfg.schedule in ("constant", "inverse_sqrt"):
             return lr_multiplier(step, cfg)
+        now = self.training_seconds()
+        if self.warmup_end_s is None:
+            self.warmup_end_s = now
         by_steps = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        by_time = training_seconds() / cfg.max_time_s
+        left = cfg.max_time_s - self.warmup_end_s
+        by_time = (now - self.warmup_end_s) / left if left > 0 else 1.0
         progress = min(1.0, max(by_steps, by_time))
         return lr_multiplier(round(cfg.warmup_steps + progress * (cfg.max_steps - cfg.warmup_steps)), cfg)
-
-    return multiplier
 
 
 def is_logging_step(trainer) -> bool:
@@ -162,6 +173,7 @@ class StudyModule(L.LightningModule):
         self.divergence: Divergence | None = None  # the rule that stopped the run, and where (study.tasks.ledger)
         self.train_tokens = 0  # up to the last read of the ledger (every logging step, checkpoint and the end)
         self.ledger = StepLedger(cfg.train.divergence_factor)
+        self.schedule = TimeAwareSchedule(cfg.train, self.training_seconds)  # the learning rate's multiplier
         self._step_started: float | None = None
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
@@ -210,7 +222,9 @@ class StudyModule(L.LightningModule):
                 pass
         if optimizer is None:
             optimizer = torch.optim.AdamW(groups, **kwargs)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, time_aware_multiplier(t, self.training_seconds))
+        # a function for LambdaLR, which would otherwise save the schedule object's attributes (this module among
+        # them) in its state; when warm-up ended goes into the checkpoint's `study` entry instead
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.schedule(step))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
@@ -343,6 +357,7 @@ class StudyModule(L.LightningModule):
             "diverged_at": self.diverged_at,
             "divergence": dataclasses.asdict(self.divergence) if self.divergence else None,
             "initial_loss": self.ledger.initial,
+            "warmup_end_s": self.schedule.warmup_end_s,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -360,6 +375,7 @@ class StudyModule(L.LightningModule):
         self.diverged_at = state.get("diverged_at")
         self.divergence = Divergence(**state["divergence"]) if state.get("divergence") else None
         self.ledger.initial = state.get("initial_loss")
+        self.schedule.warmup_end_s = state.get("warmup_end_s")
 
     def on_train_end(self) -> None:
         self.settle()  # the steps after the last logging step (a run stopped between them)

@@ -243,7 +243,10 @@ def single_example(x: list[int]) -> tuple[list[int], list[int]]:
 
 def masked_batch(batch: dict[str, torch.Tensor], vocab_size: int, probability: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
     inputs, labels = mask_tokens(batch["input_ids"], vocab_size, probability, generator)
-    out = {**batch, "input_ids": inputs, "labels": labels}
+    # where the MLM head runs, as indices into the flattened (B*T) positions, found here on the host: selecting them
+    # on the device with the boolean mask would make every training step wait for the device to count them
+    positions = (labels.flatten() != IGNORE).nonzero().squeeze(1)
+    out = {**batch, "input_ids": inputs, "labels": labels, "mlm_positions": positions}
     pad = batch["input_ids"] == PAD
     if bool(pad.any()):
         out["padding_mask"] = ~pad
@@ -374,13 +377,17 @@ class PretrainModule(StudyModule):
 
     def losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         h = self.forward_model(batch["input_ids"], token_type_ids=batch["token_type_ids"], padding_mask=batch.get("padding_mask"))
-        labels = batch["labels"]
-        selected = labels != IGNORE
+        positions = batch["mlm_positions"]  # (N,) indices into the B*T positions: the masked ones
         head = self.model.mlm_head
-        z = head.norm(head.activation(head.dense(h[selected])))  # the MLM head on the selected positions only
+        selected = h.flatten(0, 1).index_select(0, positions)  # (N, C)
+        z = head.norm(head.activation(head.dense(selected)))  # the MLM head on the masked positions only
         proj = head.decoder.proj
-        out = {"mlm_loss": linear_cross_entropy(z, proj.weight, labels[selected], proj.bias),
-               "mlm_count": selected.sum()}
+        n = positions.numel()  # (a shape: known on the host without waiting for the device)
+        targets = batch["labels"].flatten().index_select(0, positions)
+        # a batch with nothing masked (a short last batch can draw none) has no MLM loss: 0, not the NaN of a mean
+        # over nothing, which would stop training as diverged and poison an evaluation's mean
+        mlm_loss = linear_cross_entropy(z, proj.weight, targets, proj.bias) if n else h.sum() * 0.0
+        out = {"mlm_loss": mlm_loss, "mlm_count": n}
         if "nsp_labels" in batch and self.model.nsp_head is not None:
             logits = self.model.nsp_logits(h).float()
             out["nsp_loss"] = F.cross_entropy(logits, batch["nsp_labels"])
@@ -403,9 +410,10 @@ class PretrainModule(StudyModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         out = self.losses(batch)
-        n = max(1, int(out["mlm_count"]))
-        self.log("val/loss", out["loss"], prog_bar=True, batch_size=n, sync_dist=True)
-        self.log("val/mlm_loss", out["mlm_loss"], batch_size=n, sync_dist=True)
+        n = out["mlm_count"]
+        if n:  # (weighted by masked tokens: a batch with none has no MLM loss to count)
+            self.log("val/loss", out["loss"], prog_bar=True, batch_size=n, sync_dist=True)
+            self.log("val/mlm_loss", out["mlm_loss"], batch_size=n, sync_dist=True)
         if "nsp_loss" in out:
             b = len(batch["nsp_labels"])
             self.log("val/nsp_acc", out["nsp_correct"].float() / b, batch_size=b, sync_dist=True)
@@ -419,7 +427,7 @@ class PretrainModule(StudyModule):
             batch = {k: v.to(self.device) for k, v in batch.items()}
             with self.precision_context():
                 out = self.losses(batch)
-            n = int(out["mlm_count"])
+            n = out["mlm_count"]
             mlm_sum += float(out["mlm_loss"]) * n
             mlm_n += n
             if "nsp_loss" in out:

@@ -139,6 +139,20 @@ class TranslationDataModule(StudyDataModule):
         return self._loader([collate([self.encoded["valid"][j] for j in b]) for b in groups], batch_size=None)
 
 
+def decoder_sources(cfg: ExperimentConfig, dm: TranslationDataModule, sentences: list[str]) -> tuple[list, int]:
+    """(token ids of each source, how many were cut) as a test set is translated: a source is cut only where the
+    position scheme cannot address it (a learned table of model.max_seq_len rows), not at task.seq_len, else BLEU
+    would score translations of part of it."""
+    ids = dm.src_tok.encode_batch(sentences)
+    limit = POSITIONS[cfg.model.position].max_positions(cfg.model)
+    cut = 0 if limit is None else sum(len(s) > limit for s in ids)
+    if cut:
+        ids = [s[:limit] for s in ids]
+        log.warning("%d of %d sources are longer than the %d positions model.position=%r addresses; cut to it",
+                    cut, len(ids), limit, cfg.model.position)
+    return ids, cut
+
+
 class TranslationModule(StudyModule):
     def __init__(self, cfg: ExperimentConfig):
         super().__init__(cfg)
@@ -178,13 +192,7 @@ class TranslationModule(StudyModule):
         task = self.cfg.task
         beam = task.beam_size if beam_size is None else beam_size
         self.model.eval()
-        ids = dm.src_tok.encode_batch(sentences)
-        limit = POSITIONS[self.cfg.model.position].max_positions(self.cfg.model)
-        cut = 0 if limit is None else sum(len(s) > limit for s in ids)
-        if cut:
-            ids = [s[:limit] for s in ids]
-            log.warning("%d of %d sources are longer than the %d positions model.position=%r addresses; cut to it",
-                        cut, len(ids), limit, self.cfg.model.position)
+        ids, cut = decoder_sources(self.cfg, dm, sentences)
         if stats is not None:
             stats["truncated_sources"] = cut
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
