@@ -12,6 +12,7 @@ import math
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +332,26 @@ def test_eval_tokens_must_hold_a_window_of_the_longest_evaluation_length():
 
 
 # --- divergence -----------------------------------------------------------------------------------
+def test_the_throughput_leaves_out_the_time_spent_writing_checkpoints(corpus, monkeypatch):
+    """A checkpoint is written in a step's end hooks, inside the step's timed window: a write made slow (0.4 s) must
+    not show in train_tokens_per_s, which measures training (tokens per step / seconds per step)."""
+    import study.run.single as single
+
+    write = single.atomic_write
+
+    def slow(path, save):
+        if str(path).endswith(".ckpt"):
+            time.sleep(0.4)
+        return write(path, save)
+
+    monkeypatch.setattr(single, "atomic_write", slow)
+    cfg = make_cfg(model={"n_layers": 1, "dropout": 0.0},
+                   train={"max_steps": 9, "checkpoint_every": 1, "eval_every": 50, "warmup_steps": 0})
+    m = run(corpus, cfg, "slow-checkpoints")
+    seconds_per_step = cfg.train.batch_size * cfg.task.seq_len / m["cost"]["train_tokens_per_s"]
+    assert seconds_per_step < 0.2, seconds_per_step  # a tiny model's step: milliseconds, not the write's 0.4 s
+
+
 def test_absurd_lr_diverges_cleanly(corpus):
     cfg = make_cfg(model={"n_layers": 1, "dropout": 0.0},
                    train={"lr": 1e6, "grad_clip": None, "warmup_steps": 0, "max_steps": 30, "eval_every": 50})
@@ -382,6 +403,17 @@ def test_a_run_stopped_between_written_steps_writes_its_last_step_fresh(corpus, 
     assert sorted(lr) == [2, 5, 6] and sorted(column_by_step(rows, "train/loss")) == [2, 5, 6]
     for step, value in lr.items():
         assert float(value) == pytest.approx(cfg.train.lr * lr_multiplier(step, cfg.train), rel=1e-6), step
+
+
+def test_a_run_whose_last_step_is_not_a_logging_step_writes_it(corpus):
+    """max_steps=10 with log_every=3: Lightning writes steps 2, 5 and 8 (0-based) and, reaching max_steps, nothing
+    more; the last step's own training values are written too, under step 9."""
+    cfg = make_cfg(model={"n_layers": 1}, train={"max_steps": 10, "log_every": 3, "eval_every": 100})
+    run(corpus, cfg, "last-step-between")
+    rows = read_csv(corpus["root"] / "last-step-between" / "logs" / "metrics.csv")
+    lr = column_by_step(rows, "train/lr")
+    assert sorted(lr) == [2, 5, 8, 9] and sorted(column_by_step(rows, "train/loss")) == [2, 5, 8, 9]
+    assert float(lr[9]) == pytest.approx(cfg.train.lr * lr_multiplier(9, cfg.train), rel=1e-6)
 
 
 # --- exact resume ---------------------------------------------------------------------------------

@@ -236,17 +236,21 @@ def test_config_validation_names_the_field():
         TaskConfig(name="lm", nsp_weight=2.0)
 
 
-def test_the_loss_is_mlm_plus_the_weighted_nsp_loss(wikitext, tmp_path):
+def module_and_data(cfg: ExperimentConfig, data_dir, cache_dir):
+    """A PretrainModule of `cfg` (seed 0) and its prepared data module."""
     from study.tasks.pretrain import PretrainModule
 
+    dm = PretrainDataModule(cfg, data_dir=data_dir, cache_dir=cache_dir)
+    dm.prepare()
+    d = cfg.to_dict()
+    d["model"].update(dm.model_overrides())
+    torch.manual_seed(0)
+    return PretrainModule(ExperimentConfig.from_dict(d)), dm
+
+
+def test_the_loss_is_mlm_plus_the_weighted_nsp_loss(wikitext, tmp_path):
     def losses(weight: float) -> dict[str, torch.Tensor]:
-        cfg = make_cfg(nsp=True, nsp_weight=weight)
-        dm = PretrainDataModule(cfg, data_dir=wikitext, cache_dir=tmp_path)
-        dm.prepare()
-        d = cfg.to_dict()
-        d["model"].update(dm.model_overrides())
-        torch.manual_seed(0)
-        module = PretrainModule(ExperimentConfig.from_dict(d))
+        module, dm = module_and_data(make_cfg(nsp=True, nsp_weight=weight), wikitext, tmp_path)
         with torch.no_grad():
             return module.losses(dm._train_batch(0))
 
@@ -260,15 +264,9 @@ def test_a_batch_with_nothing_masked_adds_no_mlm_loss_and_no_nan(wikitext, tmp_p
     """A short last batch can draw no masked token: its MLM loss is 0 and counts 0 tokens, so an evaluation's mean
     over batches is that of the others (a mean over nothing would be NaN, poisoning the mean and, in training,
     stopping the run as diverged)."""
-    from study.tasks.pretrain import PretrainModule, masked_batch
+    from study.tasks.pretrain import masked_batch
 
-    cfg = make_cfg(nsp=True)
-    dm = PretrainDataModule(cfg, data_dir=wikitext, cache_dir=tmp_path)
-    dm.prepare()
-    d = cfg.to_dict()
-    d["model"].update(dm.model_overrides())
-    torch.manual_seed(0)
-    module = PretrainModule(ExperimentConfig.from_dict(d))
+    module, dm = module_and_data(make_cfg(nsp=True), wikitext, tmp_path)
     masked = dm._train_batch(0)
     plain = {k: v for k, v in masked.items() if k not in ("labels", "mlm_positions")}
     none = masked_batch(plain, dm.tokenizer.vocab_size, 0.0, torch.Generator().manual_seed(0))

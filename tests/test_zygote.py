@@ -120,13 +120,14 @@ def test_a_trial_that_calls_sys_exit_ends_as_an_interpreter_would(zygote, mode, 
 
 
 def test_the_children_die_with_the_worker(tmp_path):
-    """A worker killed with SIGKILL takes its zygote and the zygote's trial with it."""
+    """A worker killed with SIGKILL takes its zygote, the zygote's trial and the DDP rank the trial started with it
+    (the rank is the trial's command with LOCAL_RANK=1, as Lightning starts it; nothing else would kill it)."""
     (tmp_path / "point.yaml").write_text(yaml.safe_dump({"name": "z", "task": {"name": "lm"}}))
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from study.sweep.zygote import TrialProcess, Zygote
-        env = dict(os.environ, PYTHONPATH={str(ROOT)!r}, STUDY_ZYGOTE_MODE="sleep")
+        env = dict(os.environ, PYTHONPATH={str(ROOT)!r}, STUDY_ZYGOTE_MODE="rank-trial")
         z = Zygote({RUNNER!r}, env)
         child = z.start({_argv(tmp_path, "e")!r}, {str(tmp_path / "e.log")!r}, 1, {{}})
         print(z.process.pid, child.pid, flush=True)
@@ -134,15 +135,17 @@ def test_the_children_die_with_the_worker(tmp_path):
     """)
     worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     zygote_pid, trial_pid = map(int, worker.stdout.readline().split())
-    deadline = time.time() + 30
-    while not (tmp_path / "e" / "sleeping").exists() and time.time() < deadline:
+    deadline = time.time() + 60
+    while not (tmp_path / "e" / "sleeping").exists() and time.time() < deadline:  # (the rank got to its runner)
         time.sleep(0.1)
+    rank_pid = int((tmp_path / "e" / "rank.pid").read_text())
+    assert _alive(rank_pid)
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait()
     deadline = time.time() + 10
-    while time.time() < deadline and (_alive(zygote_pid) or _alive(trial_pid)):
+    while time.time() < deadline and (_alive(zygote_pid) or _alive(trial_pid) or _alive(rank_pid)):
         time.sleep(0.1)
-    assert not _alive(zygote_pid) and not _alive(trial_pid)
+    assert not _alive(zygote_pid) and not _alive(trial_pid) and not _alive(rank_pid)
 
 
 def _alive(pid: int) -> bool:

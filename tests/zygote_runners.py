@@ -36,6 +36,13 @@ def run(cfg, run_dir, data_dir=None, cache_dir=None):
         if mode == "rank-left":
             return
         time.sleep(600)
+    if mode == "rank-trial":  # rank 1 as Lightning's launcher starts it: the trial's command, LOCAL_RANK=1
+        import subprocess
+
+        env = {**os.environ, "LOCAL_RANK": "1", "STUDY_ZYGOTE_MODE": "sleep"}
+        rank = subprocess.Popen([sys.executable, "-m", "study.sweep.trial", *sys.argv[1:]], env=env)
+        (run_dir / "rank.pid").write_text(str(rank.pid))
+        time.sleep(600)
     if mode == "sleep":
         (run_dir / "sleeping").write_text("")
         time.sleep(600)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir")
     parser.add_argument("--runner", default=DEFAULT_RUNNER, help="module:function(cfg, run_dir, data_dir, cache_dir)")
     args = parser.parse_args(argv)
+    if int(os.environ.get("LOCAL_RANK", 0)) > 0:  # a DDP rank Lightning started for a trial: it dies with the trial
+        from study.sweep.zygote import die_with_parent  # (rank zero, its parent), which dies with its worker
+
+        die_with_parent()
 
     from study.config import PipelineConfig, load_experiment
     from study.run.pipeline import run_dir_lock

@@ -1,8 +1,10 @@
 """Task families: what is trained on which data, and measured how.
 
 Each family is one `TaskFamily` (`study.tasks.contract`) declaring its metrics, the fields it reads and its hooks;
-`family(name)` imports it on first use, so a run pays only for its own family's imports (GLUE's metrics pull in
-scikit-learn and scipy, translation's sacreBLEU: seconds of start-up for an experiment that never uses them).
+`family(name)` imports it on first use, and a declaration imports no Lightning and no data code (`implementation()`
+does), so planning a sweep reads declarations cheaply and a run pays only for its own family's imports (GLUE's
+metrics pull in scikit-learn and scipy, translation's sacreBLEU: seconds of start-up for an experiment that never
+uses them).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ if TYPE_CHECKING:
 
 # task.name -> "module:TaskFamily subclass"
 FAMILIES = {
-    "lm": "study.tasks.lm:LanguageModelling",
-    "translation": "study.tasks.translation:Translation",
-    "pretrain": "study.tasks.pretrain:Pretraining",
+    "lm": "study.tasks.families:LanguageModelling",
+    "translation": "study.tasks.families:Translation",
+    "pretrain": "study.tasks.families:Pretraining",
     "glue": "study.tasks.glue:Glue",
 }
 

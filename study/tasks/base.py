@@ -175,6 +175,7 @@ class StudyModule(L.LightningModule):
         self.ledger = StepLedger(cfg.train.divergence_factor)
         self.schedule = TimeAwareSchedule(cfg.train, self.training_seconds)  # the learning rate's multiplier
         self._step_started: float | None = None
+        self._checkpoint_started: float | None = None  # a checkpoint written in this step began then
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
         self.step_logs: dict[str, Any] = {}  # this step's training values, logged in on_train_batch_end
@@ -265,7 +266,7 @@ class StudyModule(L.LightningModule):
 
     # --- steps ----------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
+        self._step_started, self._checkpoint_started = time.perf_counter(), None
 
     def training_step(self, batch: Any, batch_idx: int):
         # Nothing here reads a device tensor: the loss and token count go to the ledger, read at logging steps.
@@ -288,12 +289,18 @@ class StudyModule(L.LightningModule):
         written = not accumulating and (last or is_logging_step(trainer))
         if written:
             self.settle()  # before the step's time is taken: on a GPU the read waits for the queued steps
-        if self._step_started is not None:
-            self.step_times.append(time.perf_counter() - self._step_started)
+        if self._step_started is not None:  # the step's time, up to a checkpoint written in it (not training)
+            self.step_times.append((self._checkpoint_started or time.perf_counter()) - self._step_started)
         self._add_to_step_means(trainer.accumulate_grad_batches)
-        if self._step_means and written:
+        if self._step_means and written and (is_logging_step(trainer) or trainer.should_stop):
             for name, value in self._step_means.items():
                 self.log(name, value, prog_bar=name == "train/loss", on_step=True, on_epoch=False)
+        elif self._step_means and written:  # the last step (max_steps) between logging steps: Lightning writes
+            # only at logging steps and at a stop it was told of (should_stop), so to the loggers directly, under
+            # the step index Lightning gives the steps it writes (the optimizer steps taken before this one)
+            values = {k: float(v) for k, v in self._step_means.items()}
+            for logger in self.loggers:
+                logger.log_metrics(values, step=self.global_step - 1)
         if not accumulating:
             self._step_means = {}
         if self.diverged_at is not None:  # a diverged run is a result: stop cleanly, its step recorded
@@ -343,6 +350,9 @@ class StudyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.settle()  # the ledger's steps up to this checkpoint are counted in it
+        # Lightning's checkpoint callback writes in the step's end hooks, before this module's: the write (about
+        # 0.1-0.5 s of torch.save for model and AdamW state) is not the step's training time (throughput)
+        self._checkpoint_started = time.perf_counter()
         # the device this rank trains on; *_all would open a context on every visible GPU, and give a rank the state
         # of a device it never used
         streams = (torch.get_rng_state(), [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [])

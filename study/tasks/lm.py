@@ -22,50 +22,8 @@ from study.axes import POSITIONS
 from study.config import ExperimentConfig
 from study.record import NOT_APPLICABLE
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
-from study.tasks.contract import MetricSpec, TaskFamily
+from study.tasks.families import LanguageModelling  # noqa: F401 - its declaration, importable from here too
 from study.tasks.data import build_lm_tokenizer, load_lm_corpus
-
-_UNIFORM = "ln(vocabulary size) nats for a uniform prediction; the unigram entropy for the best constant one"
-
-
-class LanguageModelling(TaskFamily):
-    """Next-token prediction with a decoder (`lm`)."""
-
-    name = "lm"
-    metrics = (
-        MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, description="validation cross-entropy"),
-        MetricSpec("valid_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
-        MetricSpec("test_loss", "minimize", "nats/token", _UNIFORM, description="written when the corpus has a test "
-                   "split (WikiText-2; not Tiny Shakespeare)"),
-        MetricSpec("test_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
-        MetricSpec("*_ppl_by_length.*", "minimize", "perplexity",
-                   "the vocabulary size for a uniform prediction", objective=False,
-                   description="perplexity at each evaluation length (key: tokens) on the last split; 'n/a' where "
-                               "a position table cannot reach or the split holds no window of that length"),
-        MetricSpec("*_ppl_at_2x", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
-                   description="perplexity at twice the training length (Press et al. 2022's extrapolation test)"),
-    )
-    default_objective = "valid_loss"
-    reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "eval_lengths", "eval_tokens"})
-
-    def implementation(self):
-        return LMDataModule, LMModule
-
-    def unwritten_metric(self, cfg: ExperimentConfig, metric: str) -> str | None:
-        from study.tasks.data.lm import EVAL_SPLITS
-
-        split = metric.split("_", 1)[0]
-        splits = EVAL_SPLITS.get(cfg.task.dataset, ("valid", "test"))
-        if split in ("valid", "test") and split not in splits:
-            return f"{cfg.task.dataset} has no {split} split (only {list(splits)}): {metric} is never written"
-        extrapolation = "_ppl_by_length" in metric or metric.endswith("_ppl_at_2x")
-        if extrapolation and split != splits[-1]:
-            return (f"the length curve is measured on the last split only ({splits[-1]}): {metric} is never written; "
-                    f"use {splits[-1]}{metric[len(split):]}")
-        if metric.endswith("_ppl_at_2x") and 2 not in cfg.task.eval_lengths:
-            return f"task.eval_lengths={list(cfg.task.eval_lengths)} has no 2: {metric} is never written"
-        return None
-
 
 class LMDataModule(StudyDataModule):
     def __init__(self, cfg: ExperimentConfig, data_dir: str | Path | None = None, cache_dir: str | Path | None = None):

@@ -44,52 +44,9 @@ from study.config import ExperimentConfig
 from study.io import atomic_write
 from study.model.loss import linear_cross_entropy
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
-from study.tasks.contract import MetricSpec, TaskFamily
+from study.tasks.families import Pretraining  # noqa: F401 - its declaration, importable from here too
 from study.tasks.data import build_tokenizer, load_lm_corpus
 from study.tasks.data.lm import is_wikitext_title
-
-_UNIFORM = "ln(vocabulary size) nats for a uniform prediction; the unigram entropy for the best constant one"
-
-
-class Pretraining(TaskFamily):
-    """BERT-style masked language modelling, with or without next-sentence prediction (`pretrain`)."""
-
-    name = "pretrain"
-    metrics = (
-        MetricSpec("valid_mlm_loss", "minimize", "nats/masked token", _UNIFORM,
-                   description="MLM cross-entropy on the validation split in the model's own input format "
-                               "(segment pairs with NSP, full sentences without)"),
-        MetricSpec("valid_mlm_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
-        MetricSpec("valid_mlm_loss_full_sentences", "minimize", "nats/masked token", _UNIFORM,
-                   description="MLM cross-entropy on the validation text in the FULL-SENTENCES format: the same "
-                               "input for a model trained with NSP or without, so the one to compare across them"),
-        MetricSpec("valid_nsp_accuracy", "maximize", "fraction (0-1)",
-                   "the majority label's share of the validation pairs (about 0.5)",
-                   description="next-sentence prediction accuracy (written with model.nsp only)"),
-        MetricSpec("valid_nsp_loss", "minimize", "nats/pair", "ln 2 = 0.693 for a constant 50/50 prediction"),
-        MetricSpec("valid_masked_tokens", "maximize", "count", "-", objective=False,
-                   description="masked tokens evaluated (bookkeeping)"),
-        MetricSpec("valid_nsp_pairs", "maximize", "count", "-", objective=False,
-                   description="sentence pairs evaluated (bookkeeping)"),
-    )
-    default_objective = "valid_mlm_loss"
-    # MLM loss is comparable across NSP on/off; the total loss (MLM + NSP) is not
-    curves = {"train": "train/mlm_loss", "valid": "val/mlm_loss"}
-    reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "mlm_probability",
-                                   "nsp_weight"})
-    unread_train_fields = frozenset({"label_smoothing"})
-
-    def implementation(self):
-        return PretrainDataModule, PretrainModule
-
-    def unwritten_metric(self, cfg: ExperimentConfig, metric: str) -> str | None:
-        if metric.startswith("valid_nsp_") and not cfg.model.nsp:
-            return f"model.nsp is false (MLM only, no sentence pairs): {metric} is never written"
-        return None
-
-    def predicted_fraction(self, cfg: ExperimentConfig) -> float:
-        return cfg.task.mlm_probability  # the output head runs on the masked positions only
-
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD, UNK, CLS, SEP, MASK = range(5)

@@ -23,46 +23,10 @@ from study.config import ExperimentConfig
 from study.io import atomic_write_text
 from study.model.generate import beam_search, greedy_decode
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator, spread_order
-from study.tasks.contract import MetricSpec, TaskFamily
+from study.tasks.families import Translation  # noqa: F401 - its declaration, importable from here too
 from study.tasks.data import build_translation_tokenizers, load_translation
 
 log = logging.getLogger(__name__)
-
-
-class Translation(TaskFamily):
-    """Sequence-to-sequence translation with an encoder-decoder, scored with sacreBLEU (`translation`)."""
-
-    name = "translation"
-    metrics = (
-        MetricSpec("bleu", "maximize", "BLEU (0-100)", "about 0 (a constant sentence shares few n-grams)",
-                   description="sacreBLEU on the first of task.test_sets, detokenized (13a); cased unless "
-                               "task.lowercase (the record's signature says which)"),
-        MetricSpec("chrf", "maximize", "chrF (0-100)", "a few points (character n-grams of a constant sentence)",
-                   description="sacreBLEU's chrF on the first of task.test_sets; cased unless task.lowercase"),
-        MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0"),
-        MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points"),
-        MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False, cost=True,
-                   description="wall time of beam-search decoding of the test set (a measured cost)"),
-        MetricSpec("test_sets.*.kv_cache_peak_bytes", "minimize", "bytes", "-", objective=False, cost=True,
-                   description="the most bytes the KV cache held while a batch of 100 sentences was beam-searched "
-                               "(each hypothesis's self-attention K/V and each sentence's cross-attention K/V, shared "
-                               "by its hypotheses; measured from the cache's tensors)"),
-        MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False),
-        MetricSpec("test_sets.*.truncated_sources", "minimize", "count", "-", objective=False,
-                   description="test sentences whose source was cut to the length the position scheme can address "
-                               "(model.max_seq_len of a learned table; never for the other schemes): their "
-                               "translations saw part of the source, which lowers BLEU"),
-        MetricSpec("truncated_pairs.*", "minimize", "count", "-", objective=False,
-                   description="train/valid sentence pairs with a side over task.seq_len tokens, cut to it (a cut "
-                               "target gets no EOS, so the model is not taught to end sentences early)"),
-    )
-    default_objective = "bleu"
-    reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "src_lang", "tgt_lang",
-                                   "joint_vocab", "beam_size", "length_penalty", "max_len_a", "max_len_b",
-                                   "test_sets"})
-
-    def implementation(self):
-        return TranslationDataModule, TranslationModule
 
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")

@@ -1,0 +1,138 @@
+"""The declarations of the task families whose implementation is one module: language modelling (study.tasks.lm),
+translation (study.tasks.translation) and BERT-style pretraining (study.tasks.pretrain); GLUE's is study.tasks.glue.
+
+A declaration (its metrics, the fields it reads, its hooks) imports neither Lightning nor the family's data code:
+`study sweep` reads every point's declarations while it plans, and `study.tasks.family` would otherwise import
+Lightning for them (about 6-9 s on a two-core machine, before any trial starts). `implementation()` imports the
+family's Lightning module when a run needs it.
+"""
+
+from __future__ import annotations
+
+from study.config import ExperimentConfig
+from study.tasks.contract import MetricSpec, TaskFamily
+
+_UNIFORM = "ln(vocabulary size) nats for a uniform prediction; the unigram entropy for the best constant one"
+
+
+class LanguageModelling(TaskFamily):
+    """Next-token prediction with a decoder (`lm`)."""
+
+    name = "lm"
+    metrics = (
+        MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, description="validation cross-entropy"),
+        MetricSpec("valid_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
+        MetricSpec("test_loss", "minimize", "nats/token", _UNIFORM, description="written when the corpus has a test "
+                   "split (WikiText-2; not Tiny Shakespeare)"),
+        MetricSpec("test_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
+        MetricSpec("*_ppl_by_length.*", "minimize", "perplexity",
+                   "the vocabulary size for a uniform prediction", objective=False,
+                   description="perplexity at each evaluation length (key: tokens) on the last split; 'n/a' where "
+                               "a position table cannot reach or the split holds no window of that length"),
+        MetricSpec("*_ppl_at_2x", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
+                   description="perplexity at twice the training length (Press et al. 2022's extrapolation test)"),
+    )
+    default_objective = "valid_loss"
+    reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "eval_lengths", "eval_tokens"})
+
+    def implementation(self):
+        from study.tasks.lm import LMDataModule, LMModule
+
+        return LMDataModule, LMModule
+
+    def unwritten_metric(self, cfg: ExperimentConfig, metric: str) -> str | None:
+        from study.tasks.data.lm import EVAL_SPLITS
+
+        split = metric.split("_", 1)[0]
+        splits = EVAL_SPLITS.get(cfg.task.dataset, ("valid", "test"))
+        if split in ("valid", "test") and split not in splits:
+            return f"{cfg.task.dataset} has no {split} split (only {list(splits)}): {metric} is never written"
+        extrapolation = "_ppl_by_length" in metric or metric.endswith("_ppl_at_2x")
+        if extrapolation and split != splits[-1]:
+            return (f"the length curve is measured on the last split only ({splits[-1]}): {metric} is never written; "
+                    f"use {splits[-1]}{metric[len(split):]}")
+        if metric.endswith("_ppl_at_2x") and 2 not in cfg.task.eval_lengths:
+            return f"task.eval_lengths={list(cfg.task.eval_lengths)} has no 2: {metric} is never written"
+        return None
+
+
+
+class Translation(TaskFamily):
+    """Sequence-to-sequence translation with an encoder-decoder, scored with sacreBLEU (`translation`)."""
+
+    name = "translation"
+    metrics = (
+        MetricSpec("bleu", "maximize", "BLEU (0-100)", "about 0 (a constant sentence shares few n-grams)",
+                   description="sacreBLEU on the first of task.test_sets, detokenized (13a); cased unless "
+                               "task.lowercase (the record's signature says which)"),
+        MetricSpec("chrf", "maximize", "chrF (0-100)", "a few points (character n-grams of a constant sentence)",
+                   description="sacreBLEU's chrF on the first of task.test_sets; cased unless task.lowercase"),
+        MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0"),
+        MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points"),
+        MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False, cost=True,
+                   description="wall time of beam-search decoding of the test set (a measured cost)"),
+        MetricSpec("test_sets.*.kv_cache_peak_bytes", "minimize", "bytes", "-", objective=False, cost=True,
+                   description="the most bytes the KV cache held while a batch of 100 sentences was beam-searched "
+                               "(each hypothesis's self-attention K/V and each sentence's cross-attention K/V, shared "
+                               "by its hypotheses; measured from the cache's tensors)"),
+        MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False),
+        MetricSpec("test_sets.*.truncated_sources", "minimize", "count", "-", objective=False,
+                   description="test sentences whose source was cut to the length the position scheme can address "
+                               "(model.max_seq_len of a learned table; never for the other schemes): their "
+                               "translations saw part of the source, which lowers BLEU"),
+        MetricSpec("truncated_pairs.*", "minimize", "count", "-", objective=False,
+                   description="train/valid sentence pairs with a side over task.seq_len tokens, cut to it (a cut "
+                               "target gets no EOS, so the model is not taught to end sentences early)"),
+    )
+    default_objective = "bleu"
+    reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "src_lang", "tgt_lang",
+                                   "joint_vocab", "beam_size", "length_penalty", "max_len_a", "max_len_b",
+                                   "test_sets"})
+
+    def implementation(self):
+        from study.tasks.translation import TranslationDataModule, TranslationModule
+
+        return TranslationDataModule, TranslationModule
+
+
+
+class Pretraining(TaskFamily):
+    """BERT-style masked language modelling, with or without next-sentence prediction (`pretrain`)."""
+
+    name = "pretrain"
+    metrics = (
+        MetricSpec("valid_mlm_loss", "minimize", "nats/masked token", _UNIFORM,
+                   description="MLM cross-entropy on the validation split in the model's own input format "
+                               "(segment pairs with NSP, full sentences without)"),
+        MetricSpec("valid_mlm_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
+        MetricSpec("valid_mlm_loss_full_sentences", "minimize", "nats/masked token", _UNIFORM,
+                   description="MLM cross-entropy on the validation text in the FULL-SENTENCES format: the same "
+                               "input for a model trained with NSP or without, so the one to compare across them"),
+        MetricSpec("valid_nsp_accuracy", "maximize", "fraction (0-1)",
+                   "the majority label's share of the validation pairs (about 0.5)",
+                   description="next-sentence prediction accuracy (written with model.nsp only)"),
+        MetricSpec("valid_nsp_loss", "minimize", "nats/pair", "ln 2 = 0.693 for a constant 50/50 prediction"),
+        MetricSpec("valid_masked_tokens", "maximize", "count", "-", objective=False,
+                   description="masked tokens evaluated (bookkeeping)"),
+        MetricSpec("valid_nsp_pairs", "maximize", "count", "-", objective=False,
+                   description="sentence pairs evaluated (bookkeeping)"),
+    )
+    default_objective = "valid_mlm_loss"
+    # MLM loss is comparable across NSP on/off; the total loss (MLM + NSP) is not
+    curves = {"train": "train/mlm_loss", "valid": "val/mlm_loss"}
+    reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "mlm_probability",
+                                   "nsp_weight"})
+    unread_train_fields = frozenset({"label_smoothing"})
+
+    def implementation(self):
+        from study.tasks.pretrain import PretrainDataModule, PretrainModule
+
+        return PretrainDataModule, PretrainModule
+
+    def unwritten_metric(self, cfg: ExperimentConfig, metric: str) -> str | None:
+        if metric.startswith("valid_nsp_") and not cfg.model.nsp:
+            return f"model.nsp is false (MLM only, no sentence pairs): {metric} is never written"
+        return None
+
+    def predicted_fraction(self, cfg: ExperimentConfig) -> float:
+        return cfg.task.mlm_probability  # the output head runs on the masked positions only
