@@ -70,6 +70,15 @@ class Launcher:
         self.opts = opts
         self.zygote: Zygote | None = None
 
+    def warm(self) -> None:
+        """Start the zygote now, before a trial is claimed: its imports take seconds (more on a loaded machine), and
+        a worker starting it for a claimed trial sends that trial no heartbeat meanwhile, so another worker could
+        judge it lost. A zygote that fails to start here is started again for the first trial (which then fails
+        with the reason)."""
+        if self.opts.launcher == "fork" and self.zygote is None:
+            with contextlib.suppress(RuntimeError, OSError):
+                self.zygote = Zygote(self.opts.runner, trial_environment(self.opts))
+
     def start(self, cmd: list[str], env: dict[str, str], log: Path):
         if self.opts.launcher == "spawn":
             with open(log, "ab") as out:
@@ -77,9 +86,9 @@ class Launcher:
                                     start_new_session=True)
         argv = cmd[cmd.index("study.sweep.trial") + 1:]
         for tries_left in (1, 0):  # a zygote that died (e.g. killed for memory) is started again, once
-            if self.zygote is None:
-                self.zygote = Zygote(self.opts.runner, env)  # a trial's environment is the worker's, fixed
             try:
+                if self.zygote is None:
+                    self.zygote = Zygote(self.opts.runner, env)  # a trial's environment is the worker's, fixed
                 return self.zygote.start(argv, str(log), self.opts.threads, {})
             except (RuntimeError, OSError):
                 self.close()
@@ -199,14 +208,19 @@ def _command(layout: SweepLayout, attempt: Attempt, opts: WorkerOptions) -> tupl
         cmd += ["--data-dir", str(opts.data_dir)]
     if opts.cache_dir:
         cmd += ["--cache-dir", str(opts.cache_dir)]
-    # Not the worker's distributed settings either: a MASTER_PORT shared by two DDP trials on one host makes one fail
-    # (address in use) or join the other's group, and an inherited LOCAL_RANK tells Lightning that someone else
-    # starts the ranks. Without them Lightning picks a free port for each trial and starts its ranks itself.
+    return cmd, trial_environment(opts)
+
+
+def trial_environment(opts: WorkerOptions) -> dict[str, str]:
+    """The environment of this worker's trials: the worker's without the storage URL, with its threads and GPUs.
+    Not the worker's distributed settings either: a MASTER_PORT shared by two DDP trials on one host makes one fail
+    (address in use) or join the other's group, and an inherited LOCAL_RANK tells Lightning that someone else
+    starts the ranks. Without them Lightning picks a free port for each trial and starts its ranks itself."""
     env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV and k not in DISTRIBUTED_ENV}
     env.update(OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads), PYTHONUNBUFFERED="1")
     if opts.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = opts.gpus
-    return cmd, env
+    return env
 
 
 def _supervise(queue: TrialQueue, child: subprocess.Popen, attempt: Attempt, pruning) -> int:
@@ -400,6 +414,7 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
     keys = set(all_keys(plan))
     summary, launcher = WorkerSummary(), Launcher(opts)
     try:
+        launcher.warm()
         _drain(queue, layout, opts, plan, keys, summary, launcher)
     finally:
         launcher.close()

@@ -22,8 +22,9 @@ its own thread count. Python's multiprocessing 'forkserver' does the same for
 functions; here a child runs the trial's command line (`study.sweep.trial.main`), so the worker keeps supervising an
 exit code and a log file, as with a subprocess.
 
-Protocol (one JSON object per line): the worker writes {"argv", "log", "threads", "env"}; the zygote answers
-{"pid"} at once and {"pid", "exit"} when that child ends. The worker writes {"kill": pid} to stop a child: the zygote,
+Protocol (one JSON object per line): the zygote says {"ready": true} once it has imported what it preloads; the
+worker writes {"argv", "log", "threads", "env"}; the zygote answers {"pid"} at once and {"pid", "exit"} when that
+child ends. The worker writes {"kill": pid} to stop a child: the zygote,
 its parent, kills it only while it has not reaped it, so a pid the system has since given to another process is never
 killed (the worker cannot know that: the child is not its own). End of input (the worker closed the pipe or died): the
 zygote kills its children and exits.
@@ -194,6 +195,8 @@ def serve(runner: str) -> None:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")  # the protocol's own descriptor: whatever a preloaded module
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints goes to stderr, never into the worker's replies
     preload(runner)
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
     commands = LineReader(sys.stdin.fileno())
     children: set[int] = set()
     try:
@@ -245,13 +248,16 @@ class TrialProcess:
 
 
 class Zygote:
-    """The worker's side: start the zygote once, then `start(argv, log, threads, env)` for each trial."""
+    """The worker's side: start the zygote once, then `start(argv, log, threads, env)` for each trial. Returns once
+    the zygote has imported what it preloads (raises RuntimeError where it could not)."""
 
     def __init__(self, runner: str, env: dict[str, str]):
         self.process = subprocess.Popen([sys.executable, "-m", "study.sweep.zygote", "--runner", runner],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
                                         preexec_fn=die_with_parent)
         self.replies = LineReader(self.process.stdout.fileno())
+        if self._receive(None) != {"ready": True}:
+            raise RuntimeError("trial zygote: expected its ready line first")
 
     def start(self, argv: list[str], log: str, threads: int, env: dict[str, str]) -> TrialProcess:
         self._send({"argv": argv, "log": log, "threads": threads, "env": env})
