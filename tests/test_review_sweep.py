@@ -55,6 +55,9 @@ class _Launcher:
         n = len(self.run_dirs)
         return _Finishes(self.run_dirs[-1], (lambda: self.before(n)) if self.before else None)
 
+    def warm(self):
+        pass
+
     def close(self):
         pass
 

@@ -171,6 +171,9 @@ def test_a_worker_whose_trial_is_reaped_as_it_ends_goes_on_and_the_retry_settles
             starts.append(run_dir)
             return _ChildReapedBeforeItExits(storage, queue, run_dir, first)
 
+        def warm(self):
+            pass
+
         def close(self):
             pass
 
