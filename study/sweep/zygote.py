@@ -18,16 +18,15 @@ survives a fork). Its only other threads are the pools NumPy's and torch's OpenB
 stops them before every fork (its pthread_atfork handler) and restarts them on its next call: a child is forked
 from a single-threaded process, as a fork needs (a lock another thread held would stay locked in the child; Python
 3.12's warning about forking a multi-threaded process counts the threads before that handler runs). Each child sets
-its own thread count. Python's multiprocessing 'forkserver' does the same for
-functions; here a child runs the trial's command line (`study.sweep.trial.main`), so the worker keeps supervising an
-exit code and a log file, as with a subprocess.
+its own thread count. Python's multiprocessing 'forkserver' does the same for functions; here a child runs the
+trial's command line (`study.sweep.trial.main`), so the worker keeps supervising an exit code and a log file, as with
+a subprocess.
 
 Protocol (one JSON object per line): the zygote says {"ready": true} once it has imported what it preloads; the
 worker writes {"argv", "log", "threads", "env"}; the zygote answers {"pid"} at once and {"pid", "exit"} when that
-child ends. The worker writes {"kill": pid} to stop a child: the zygote,
-its parent, kills it only while it has not reaped it, so a pid the system has since given to another process is never
-killed (the worker cannot know that: the child is not its own). End of input (the worker closed the pipe or died): the
-zygote kills its children and exits.
+child ends. The worker writes {"kill": pid} to stop a child: the zygote, its parent, kills it only while it has not
+reaped it, so a pid the system has since given to another process is never killed (the worker cannot know that: the
+child is not its own). End of input (the worker closed the pipe or died): the zygote kills its children and exits.
 """
 
 from __future__ import annotations

@@ -385,7 +385,8 @@ class StudyModule(L.LightningModule):
         self.diverged_at = state.get("diverged_at")
         self.divergence = Divergence(**state["divergence"]) if state.get("divergence") else None
         self.ledger.initial = state.get("initial_loss")
-        self.schedule.warmup_end_s = state.get("warmup_end_s")
+        # (a checkpoint written before the key existed decayed by time from time zero: it goes on doing so)
+        self.schedule.warmup_end_s = state.get("warmup_end_s", 0.0)
 
     def on_train_end(self) -> None:
         self.settle()  # the steps after the last logging step (a run stopped between them)
