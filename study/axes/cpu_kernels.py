@@ -20,6 +20,7 @@ tests/test_loss_kernel.py and tests/test_decode_kernels.py hold both paths to th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -42,7 +43,6 @@ _ISA_FLAGS = {  # what the build may assume: the capability torch itself dispatc
 # (the option only drops floating-point exception flags, which nothing here reads).
 _VALUE_SAFE_FLAGS = ["-fno-trapping-math"]
 _loaded: dict[str, Any] = {}  # name -> its ops, or None: the eager path
-_built: bool | None = None  # the library: built and loaded, failed, or not yet tried
 
 
 def _ninja_on_path() -> None:
@@ -76,20 +76,22 @@ def _headers_digest() -> str:
 
 def cpu_ops(name: str) -> Any | None:
     """`torch.ops.study_<name>` from kernels/<name>.cpp, or None where the kernels cannot be built (warned once)."""
-    global _built
     if name not in _loaded:
-        if os.environ.get("STUDY_CPU_KERNELS", "1") == "0":
-            _built = False
-        elif _built is None:
-            try:
-                _build()
-                _built = True
-            except Exception as e:  # no compiler, no ninja, a failed build: the eager path computes the same
-                warnings.warn(f"study: the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:300]}); "
-                              "using the eager PyTorch paths", stacklevel=2)
-                _built = False
-        _loaded[name] = getattr(torch.ops, f"study_{name}") if _built else None
+        built = os.environ.get("STUDY_CPU_KERNELS", "1") != "0" and _library_built()
+        _loaded[name] = getattr(torch.ops, f"study_{name}") if built else None
     return _loaded[name]
+
+
+@functools.cache
+def _library_built() -> bool:
+    """Whether the kernels' library is built and loaded: tried once per process."""
+    try:
+        _build()
+        return True
+    except Exception as e:  # no compiler, no ninja, a failed build: the eager path computes the same
+        warnings.warn(f"study: the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:300]}); "
+                      "using the eager PyTorch paths", stacklevel=3)
+        return False
 
 
 def eager_cpu_ops(name: str, x: torch.Tensor) -> Any | None:
