@@ -123,11 +123,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from study.config.base import parse_overrides
     from study.sweep import StorageError, SweepInterrupted, SweepOptions, SweepSpecError, run_sweep
 
-    import signal
+    from study.interrupts import deliver_interrupts
 
     # `kill PID` (and a batch scheduler's SIGTERM) stop the sweep like Ctrl-C: workers give their
     # trials back to the queue instead of leaving them to the heartbeat timeout
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    deliver_interrupts(sigterm=True)
     import logging
 
     # the in-process worker (--workers 1) reports each trial as the worker processes do
@@ -314,6 +314,9 @@ def _add_sweep_command(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from study.interrupts import deliver_interrupts
+
+    deliver_interrupts(sigterm=False)  # a Ctrl-C that lands in a finalizer still interrupts
     try:
         args = _parser().parse_args(argv)
         return args.func(args)

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from typing import Any
 
 import optuna
 
+from study.interrupts import deliver_interrupts
 from study.io import atomic_write_json, exclusive_lock, read_json
 from study.record import RunDir, metric_value
 from study.sweep import tuning
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if not url:
         print(f"worker: set ${STORAGE_ENV} to the sweep's storage URL", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_trial's cleanup gives the trial back
+    deliver_interrupts(sigterm=True)  # on SIGTERM, run_trial's cleanup gives the trial back
     layout = SweepLayout(Path(args.sweep_dir))
     plan = read_json(layout.plan_path)
     try:

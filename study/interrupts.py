@@ -1,0 +1,67 @@
+"""Ctrl-C and SIGTERM reach the code they interrupt, even when they land in a finalizer.
+
+Python runs a signal's handler in the main thread between two bytecodes, wherever they are: inside a `__del__` or a
+weakref callback too, which garbage collection may run at any allocation (SQLAlchemy, under Optuna's RDB storage,
+keeps weakref callbacks). An exception raised there cannot propagate: Python prints "Exception ignored in ..." with a
+traceback and carries on. So the KeyboardInterrupt of a Ctrl-C, or the SystemExit of a SIGTERM, is lost: the process
+keeps running and the terminal shows a traceback. The sweep's Ctrl-C test (tests/test_sweep.py) met it once in many
+runs, in SQLAlchemy's `_collection_gced`.
+
+`deliver_interrupts` installs the two handlers and an unraisable hook that, for an interrupt lost in a finalizer,
+prints nothing and sends the same signal again a moment later, from a timer thread: sent from the hook itself, it
+would be raised inside the hook, where it would be lost again. No library does this; Python's own documentation
+(signal, "Note on Signal Handlers and Exceptions") leaves it to the program.
+"""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import sys
+import threading
+
+REDELIVER_AFTER_S = 0.01  # the hook returns in microseconds; the signal comes back once it has
+
+
+class Terminated(SystemExit):
+    """SIGTERM (`kill PID`, a batch scheduler's stop): exits 143 as a process killed by it would, after the cleanup
+    a `finally` or `except BaseException` does (a sweep's worker gives its trial back)."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def _lost_signal(exc: BaseException | None) -> int | None:
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(exc, Terminated):
+        return signal.SIGTERM
+    return None
+
+
+def _redelivering_hook(previous):
+    def hook(unraisable) -> None:
+        signum = _lost_signal(unraisable.exc_value)
+        if signum is None:
+            previous(unraisable)
+            return
+        timer = threading.Timer(REDELIVER_AFTER_S, _thread.interrupt_main, (signum,))
+        timer.daemon = True
+        timer.start()
+
+    hook.redelivers = True
+    return hook
+
+
+def deliver_interrupts(sigterm: bool = True) -> None:
+    """In the main thread: SIGTERM (where `sigterm`) raises Terminated, and it or Ctrl-C's KeyboardInterrupt, when
+    lost in a finalizer, is delivered again rather than printed and dropped. Ctrl-C keeps the handler Python gave it
+    (none where the process was started with SIGINT ignored, as a shell's background job is). Idempotent."""
+    if sigterm:
+        signal.signal(signal.SIGTERM, _terminate)
+    if not getattr(sys.unraisablehook, "redelivers", False):
+        sys.unraisablehook = _redelivering_hook(sys.unraisablehook)

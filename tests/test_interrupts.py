@@ -1,0 +1,74 @@
+"""A Ctrl-C or SIGTERM that lands in a finalizer (a weakref callback that garbage collection runs, as SQLAlchemy's
+are) still stops the program, quietly; without study.interrupts Python prints the exception as ignored and runs on."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# The signal arrives while a weakref callback runs: its handler raises inside the callback, where the exception
+# cannot propagate. The main code then loops for up to 5 s; it must be interrupted, not run to its end.
+SCRIPT = textwrap.dedent("""
+    import signal, sys, time, weakref
+    from study.interrupts import deliver_interrupts
+
+    if sys.argv[2] == "on":
+        deliver_interrupts(sigterm=True)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signum = getattr(signal, sys.argv[1])
+
+    class Resource:
+        pass
+
+    def collected(ref):
+        signal.raise_signal(signum)
+        print("the callback went on", flush=True)
+
+    resource = Resource()
+    ref = weakref.ref(resource, collected)
+    try:
+        del resource
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            time.sleep(0.001)
+        print("ran to the end", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+""")
+
+
+def _run(signame: str, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, signame, mode], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("signame", "code"), [("SIGINT", 130), ("SIGTERM", 128 + signal.SIGTERM)])
+def test_an_interrupt_raised_in_a_finalizer_stops_the_program_without_a_traceback(signame, code):
+    done = _run(signame, "on")
+    assert done.returncode == code, done.stdout + done.stderr
+    assert "ran to the end" not in done.stdout and "the callback went on" not in done.stdout
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_without_it_python_drops_the_interrupt_and_prints_it_as_ignored(signame):
+    """Why the module exists: the same script with Python's own handling runs on (the test above can fail)."""
+    done = _run(signame, "off")
+    assert done.returncode == 0 and "ran to the end" in done.stdout
+    assert "Exception ignored" in done.stderr
+
+
+def test_installing_it_twice_wraps_the_hook_once():
+    from study.interrupts import deliver_interrupts
+
+    before, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+    try:
+        deliver_interrupts(sigterm=False)
+        hook = sys.unraisablehook
+        deliver_interrupts(sigterm=False)
+        assert sys.unraisablehook is hook and signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        sys.unraisablehook = before
