@@ -16,6 +16,7 @@ would be raised inside the hook, where it would be lost again. No library does t
 from __future__ import annotations
 
 import _thread
+import contextlib
 import signal
 import sys
 import threading
@@ -55,6 +56,20 @@ def _redelivering_hook(previous):
 
     hook.redelivers = True
     return hook
+
+
+@contextlib.contextmanager
+def shielded():
+    """Ctrl-C and SIGTERM are ignored while the block runs (main thread only): the cleanup after an interrupt (a sweep
+    worker giving its trial back to the queue) is not cut short by a second Ctrl-C, or by the SIGTERM with which
+    `study sweep` stops its workers once it was interrupted itself, which would leave the trial running in the queue
+    until its heartbeat went stale."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def deliver_interrupts(sigterm: bool = True) -> None:

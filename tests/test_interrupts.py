@@ -72,3 +72,29 @@ def test_installing_it_twice_wraps_the_hook_once():
         assert sys.unraisablehook is hook and signal.getsignal(signal.SIGTERM) is handler
     finally:
         sys.unraisablehook = before
+
+
+def test_a_shielded_block_runs_to_its_end_through_ctrl_c_and_sigterm_and_the_handlers_come_back():
+    """A worker's give-back after an interrupt: the second Ctrl-C, or `study sweep`'s SIGTERM, does not cut it short."""
+    import os
+
+    from study.interrupts import deliver_interrupts, shielded
+
+    before_hook, before = sys.unraisablehook, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deliver_interrupts(sigterm=True)
+        handlers = {s: signal.getsignal(s) for s in before}
+        steps = []
+        with shielded():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                os.kill(os.getpid(), signum)
+                steps.append(signum)
+        assert steps == [signal.SIGINT, signal.SIGTERM]
+        assert {s: signal.getsignal(s) for s in before} == handlers
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stopped.value.code == 143
+    finally:
+        sys.unraisablehook = before_hook
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

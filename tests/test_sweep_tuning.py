@@ -242,6 +242,44 @@ def test_a_pruned_tuning_trial_records_its_last_validation_loss_not_an_objective
     assert pd.isna(row["objective"]) and row["last_val_loss"] == 3.5 and row["last_val_step"] == 2
 
 
+class _FinishesWithLoss:
+    """A tuning trial process that writes a completed record with its objective and exits 0."""
+
+    def __init__(self, run_dir: str, loss: float):
+        self.run_dir, self.loss = run_dir, loss
+
+    def wait(self, timeout=None):
+        atomic_write_json(Path(self.run_dir) / "metrics.json",
+                          {"status": "completed", "steps": 3, "metrics": {"valid_loss": self.loss}})
+        return 0
+
+    def kill(self):
+        pass
+
+
+def test_a_tuning_trials_line_shows_the_objective_of_the_setting_it_ran_not_of_its_base_point(tmp_path):
+    """The worker logs each trial's objective as it ends. A tuning trial ran at the setting TPE drew, in that
+    setting's run directory; its point's own directory holds another run (here: one with a better loss)."""
+    _, layout, url = prepare(write_spec(tmp_path, tune=LR, **ONE_POINT), opts(tmp_path), say=quiet)
+    plan = read_json(layout.plan_path)
+    queue = TrialQueue(open_storage(url), "t", heartbeat_s=1, grace_s=5)
+    queue.sync(trial_specs(plan))
+    point = plan["points"][0]["point"]
+    RunDir(layout.run_dir(point, 1000)).write({"status": "completed", "steps": 3, "metrics": {"valid_loss": 0.5}})
+
+    class Launcher:
+        def start(self, cmd, env, log):
+            return _FinishesWithLoss(cmd[cmd.index("--run-dir") + 1], 2.25)
+
+    claimed = queue.claim(set(all_keys(plan)))
+    assert claimed.spec.kind == "tune" and claimed.spec.seed == 1000
+    assert worker.run_trial(queue, layout, claimed, plan, worker.WorkerOptions(), Launcher()) == "completed"
+    (record,) = tuned_entry(tmp_path)["trials"]
+    assert record["runs_point"] != point
+    text = worker._objective_text(layout, claimed, plan)
+    assert text == f", valid_loss 2.25 at train.lr {record['value']:.4g}"
+
+
 # -- a tune block that cannot run is refused before anything runs --------------------------------------------------
 @pytest.mark.parametrize("tune, message", [
     ({"field": "train.warmup_steps", "low": 10, "high": 200, "log": False},

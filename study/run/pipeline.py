@@ -145,13 +145,11 @@ def refuse_unrunnable_stages(cfg: PipelineConfig) -> None:
     raise the first problem naming its stage. A later stage is otherwise resolved only once the stages before it have
     trained, so a combination that cannot run (a fine-tuning seq_len beyond the pretrained positions, a start from a
     stage that leaves no single model to start from) would fail after hours of pretraining rather than before it."""
-    from study.tasks import family
+    from study.tasks import resolved_stage
 
-    resolved: dict[str, Any] = {}
-    for name, stage in cfg.stages.items():
-        ref = stage_ref(stage.task.init_from)
+    for name in cfg.stages:  # in order: a stage's problem is raised before those of the stages that start from it
         try:
-            resolved[name] = family(stage.task.name).resolve(stage, pretrained=resolved[ref] if ref else None)
+            resolved_stage(cfg, name)
         except ConfigError as err:
             raise ConfigError("PipelineConfig", [f"stages.{name}.{p}" for p in err.problems]) from None
         except ValueError as err:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from study.config import ExperimentConfig, PipelineConfig
-from study.config.pipeline import stage_ref
 from study.config.sweep import SweepConfig, route
 from study.tasks import family
+from study.tasks import resolved_stage as pipeline_stage
 
 
 def stage_config(cfg: ExperimentConfig | PipelineConfig, stage: str | None) -> ExperimentConfig:
@@ -25,10 +25,9 @@ def stage_config(cfg: ExperimentConfig | PipelineConfig, stage: str | None) -> E
 def resolved_stage(cfg: ExperimentConfig | PipelineConfig, stage: str | None) -> ExperimentConfig:
     """The config stage `stage` of `cfg` will run, resolved by its task family before any data is read (a later
     stage of a pipeline: from the config of the stage it starts from)."""
-    exp = stage_config(cfg, stage)
-    ref = stage_ref(exp.task.init_from)
-    pretrained = resolved_stage(cfg, ref) if ref is not None else None
-    return family(exp.task.name).resolve(exp, pretrained=pretrained)
+    if isinstance(cfg, PipelineConfig):
+        return pipeline_stage(cfg, stage)
+    return family(cfg.task.name).resolve(cfg, pretrained=None)
 
 
 def field_value(cfg: ExperimentConfig, path: str) -> Any:

@@ -31,11 +31,11 @@ from typing import Any
 
 import optuna
 
-from study.interrupts import deliver_interrupts
+from study.interrupts import deliver_interrupts, shielded
 from study.io import atomic_write_json, exclusive_lock, read_json
 from study.record import RunDir, metric_value
 from study.sweep import tuning
-from study.sweep.layout import SweepLayout, all_keys, check_storage, read_tuned, trial_specs
+from study.sweep.layout import SweepLayout, all_keys, check_storage, read_tuned, trial_specs, tuning_id
 from study.sweep.queue import Claimed, TrialQueue, TrialSpec
 from study.sweep.storage import DEFAULT_RETRY_S, StorageError, open_storage, retrying
 from study.sweep.trial import DEFAULT_RUNNER
@@ -269,7 +269,8 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
     except Exception as err:  # noqa: BLE001
         return _settle(queue, layout, plan, attempt, _note_start_failure(run.trial_log, err))
     except BaseException:  # Ctrl-C or SIGTERM while the zygote imports (seconds): nothing started, the trial goes back
-        _interrupted(queue, claimed, attempt, sweep)
+        with shielded():
+            _interrupted(queue, claimed, attempt, sweep)
         raise
     try:
         rc = _supervise(queue, child, attempt, pruning)
@@ -291,8 +292,9 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
         attempt.tell_failed()
         return "lost"
     except BaseException:  # Ctrl-C or SIGTERM: stop the child, give the trial back
-        _stop(child)
-        _interrupted(queue, claimed, attempt, sweep)
+        with shielded():
+            _stop(child)
+            _interrupted(queue, claimed, attempt, sweep)
         raise
     return _settle(queue, layout, plan, attempt, rc)
 
@@ -468,12 +470,21 @@ def _progress_text(counts: dict[str, int], seconds: list[float], workers: int) -
 
 
 def _objective_text(layout: SweepLayout, claimed: Claimed, plan: dict[str, Any]) -> str:
-    """', valid_loss 1.4821' for a finished trial: each trial's number as it finishes, not only at the end."""
-    metric = plan["objective"]["metric"]
-    point = claimed.spec.runs_point or claimed.spec.point
+    """', valid_loss 1.4821' for a finished trial: each trial's number as it finishes, not only at the end. A tuning
+    trial ran its point at the setting TPE drew (its own run directory, recorded in tuned.json), so its line shows
+    that run's number and the setting: ', valid_loss 1.4821 at train.lr 0.0031'."""
+    metric, point, setting = plan["objective"]["metric"], claimed.spec.runs_point or claimed.spec.point, ""
+    if claimed.spec.kind == "tune":
+        entry = read_tuned(layout).get(claimed.spec.point) or {}
+        ran = [t for t in entry.get("trials", []) if t.get("key") == claimed.spec.key and t.get("runs_point")]
+        if entry.get("tuning") != tuning_id(plan) or not ran:
+            return ""
+        drawn = ran[-1].get("value")
+        drawn = f"{drawn:.4g}" if isinstance(drawn, float) else drawn
+        point, setting = ran[-1]["runs_point"], f" at {entry.get('field')} {drawn}"
     record = RunDir(layout.run_dir(point, claimed.spec.seed)).finished()
     value = metric_value(record, metric) if record else None
-    return f", {metric} {value:.4g}" if value is not None else ""
+    return f", {metric} {value:.4g}{setting}" if value is not None else ""
 
 
 def open_queue(plan: dict[str, Any], storage_url: str, retry_s: float = DEFAULT_RETRY_S) -> TrialQueue:

@@ -14,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from study.config import ExperimentConfig, PipelineConfig
     from study.tasks.contract import TaskFamily
 
 # task.name -> "module:TaskFamily subclass"
@@ -37,3 +38,15 @@ def family(name: str) -> "TaskFamily":
     if not (isinstance(cls, type) and issubclass(cls, TaskFamily)) or cls.name != name:
         raise TypeError(f"{FAMILIES[name]} is not the TaskFamily of task {name!r}")
     return cls()
+
+
+def resolved_stage(cfg: "PipelineConfig", name: str) -> "ExperimentConfig":
+    """The config stage `name` of a pipeline will run, resolved by its task family before any data is read: a later
+    stage against the resolved config of the stage it starts from (its task.init_from), as the pipeline will resolve
+    it against that stage's trained config. Both the checks before a pipeline trains (study.run.pipeline) and the
+    check that a swept value reaches the model (study.sweep.reach) resolve stages here."""
+    from study.config.pipeline import stage_ref
+
+    stage = cfg.stages[name]
+    ref = stage_ref(stage.task.init_from)
+    return family(stage.task.name).resolve(stage, pretrained=resolved_stage(cfg, ref) if ref is not None else None)
