@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from study.io import atomic_write_json, read_json_or_none
+from study.io import atomic_write_json, file_sha256, read_json_or_none
 
 SCHEMA = 2
 COMPLETED, DIVERGED, FAILED, RUNNING, PENDING = "completed", "diverged", "failed", "running", "pending"
@@ -115,6 +115,22 @@ class RunDir:
         except (OSError, ValueError, pd.errors.ParserError):
             return None
         return frame if frame is not None and "step" in frame and not frame.empty else None
+
+
+def started_from(init_from: str | Path) -> dict[str, str]:
+    """What a run that starts from another's weights records in its data.json: the run it started from and the
+    digest of the model.pt it read there. The run layer compares the digests with the model.pt there now
+    (`started_from_digests`, study.run.single.replaced_start): a result is handed back only while it is a result of
+    the model on disk."""
+    return {"init_from": str(init_from), "model_sha256": file_sha256(RunDir(init_from).weights)}
+
+
+def started_from_digests(data: Any) -> set[str]:
+    """Every model.pt digest a data.json records (`started_from`), at any depth: a suite's holds each part's."""
+    if not isinstance(data, dict):
+        return set()
+    found = {data["model_sha256"]} if isinstance(data.get("model_sha256"), str) else set()
+    return found.union(*(started_from_digests(v) for v in data.values()))
 
 
 def stage_run_dirs(record: dict[str, Any] | None, run_dir: str | Path | None = None) -> dict[str, str]:

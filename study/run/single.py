@@ -22,7 +22,7 @@ import torch
 from study.config import ExperimentConfig
 from study.io import atomic_write, atomic_write_json, atomic_write_text, file_sha256, read_json_or_none
 from study.model.accounting import cost_summary
-from study.record import COMPLETED, DIVERGED, RunDir, make_record
+from study.record import COMPLETED, DIVERGED, RunDir, make_record, started_from_digests
 from study.run.conflict import finished_run, handed_back, refuse_other_data
 from study.run.environment import peak_memory_bytes, prepare_training_process, reset_peak_memory
 from study.tasks import family
@@ -96,11 +96,11 @@ def replaced_start(run: RunDir, init_from: str | Path | None) -> str | None:
     """Why the result in `run` is not one of the model now in `init_from` (the run it started from), or None.
 
     A run that starts from another records the digest of the model.pt it started from in its data.json
-    (`model_sha256`, GLUE's; a suite's data.json holds each part's). When the model.pt there now is another (that run
+    (`study.record.started_from`; a suite's data.json holds each part's). When the model.pt there now is another (that run
     was forced anew, e.g. by another pipeline sharing the stage) or is gone, the result is of a model no longer on
     disk: handed back, it would be reported as the new model's, and its checkpoint would go on fine-tuning the old
     one. None where nothing was recorded (a run that starts from nothing, or has not yet read its data)."""
-    recorded = set(_recorded_digests(read_json_or_none(run.data))) if init_from else set()
+    recorded = started_from_digests(read_json_or_none(run.data)) if init_from else set()
     if not recorded:
         return None
     weights = RunDir(init_from).weights
@@ -110,14 +110,6 @@ def replaced_start(run: RunDir, init_from: str | Path | None) -> str | None:
     there = ", ".join(sorted(f"{d[:12]}..." for d in recorded - {now}))
     return (f"{run.path} was fine-tuned from another model than {weights} (sha256 {there}), "
             + (f"which now holds {now[:12]}..." if now else "which is gone"))
-
-
-def _recorded_digests(value: Any):
-    if isinstance(value, dict):
-        if isinstance(value.get("model_sha256"), str):
-            yield value["model_sha256"]
-        for v in value.values():
-            yield from _recorded_digests(v)
 
 
 def launch_rank() -> int:

@@ -11,9 +11,10 @@ import torch
 
 from study.config import ExperimentConfig
 from study.io import atomic_write
+from study.record import started_from
 from study.tasks.base import StepIndexedBatches, StudyDataModule, length_grouped_batches, seeded_generator, spread_order
 from study.tasks.data import GlueTaskInfo, TrainedTokenizer, build_tokenizer, glue_task_info, load_glue
-from study.tasks.glue.pretrained import pretrained_config, pretrained_tokenizer, sha256
+from study.tasks.glue.pretrained import pretrained_config, pretrained_tokenizer
 from study.tasks.pretrain import CLS, PAD, SEP, SPECIALS, TOKENIZER_FILE
 
 
@@ -60,8 +61,7 @@ class GlueDataModule(StudyDataModule):
         if task.init_from:
             pretrained_config(task.init_from)
             self.tokenizer = pretrained_tokenizer(task.init_from)
-            origin = {"init_from": str(task.init_from), "model_sha256": sha256(Path(task.init_from) / "model.pt"),
-                      "pretrained_weights": task.pretrained_weights}
+            origin = {**started_from(task.init_from), "pretrained_weights": task.pretrained_weights}
         else:
             texts = [t for e in self.data[self.info.train_split] for t in (e.text_a, e.text_b) if t]
             fp = {"glue": self.data.fingerprint, "split": self.info.train_split}
