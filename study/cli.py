@@ -127,7 +127,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     # `kill PID` (and a batch scheduler's SIGTERM) stop the sweep like Ctrl-C: workers give their
     # trials back to the queue instead of leaving them to the heartbeat timeout
-    deliver_interrupts(sigterm=True)
+    deliver_interrupts(sigterm=True, once=True)  # the first stops the sweep; those after it let it give trials back
     import logging
 
     # the in-process worker (--workers 1) reports each trial as the worker processes do
@@ -148,7 +148,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     except SweepInterrupted as err:
         print(f"study sweep: {err}", file=sys.stderr)
-        return 130
+        return err.exit_code
     except PermissionError as err:
         return _cannot_write("sweep", err)
     return 1 if final.get("failed") else 0

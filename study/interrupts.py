@@ -32,8 +32,31 @@ class Terminated(SystemExit):
         super().__init__(128 + signal.SIGTERM)
 
 
+_STOPPING = (signal.SIGINT, signal.SIGTERM)
+_lost: list[BaseException] = []  # an interrupt lost in a finalizer while the handlers ignore signals: raised again
+
+
+def _raise_for(signum: int) -> None:
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+
 def _terminate(signum, frame) -> None:
-    raise Terminated()
+    _raise_for(signum)
+
+
+def _stop_once(signum, frame) -> None:
+    """The first Ctrl-C or SIGTERM stops the process; those after it are ignored, so that the cleanup it starts (a
+    worker giving its trial back) runs to its end. Lightning's own handlers do the same. `_ignored`, not SIG_IGN: a
+    signal already pending when the handler changed would otherwise be reported as 'ignored due to race condition'."""
+    for other in _STOPPING:
+        if signal.getsignal(other) is _stop_once:
+            signal.signal(other, _ignored)
+    _raise_for(signum)
+
+
+def _ignored(signum, frame) -> None:
+    if _lost:  # the one interrupt that stops the process, lost in a finalizer and sent again by `_redelivering_hook`
+        raise _lost.pop()
 
 
 def _lost_signal(exc: BaseException | None) -> int | None:
@@ -50,6 +73,8 @@ def _redelivering_hook(previous):
         if signum is None:
             previous(unraisable)
             return
+        if signal.getsignal(signum) is _ignored:  # `_stop_once` disarmed it before raising: the handler re-raises
+            _lost[:] = [unraisable.exc_value]
         timer = threading.Timer(REDELIVER_AFTER_S, _thread.interrupt_main, (signum,))
         timer.daemon = True
         timer.start()
@@ -61,10 +86,9 @@ def _redelivering_hook(previous):
 @contextlib.contextmanager
 def shielded():
     """Ctrl-C and SIGTERM are ignored while the block runs (main thread only): the cleanup after an interrupt (a sweep
-    worker giving its trial back to the queue) is not cut short by a second Ctrl-C, or by the SIGTERM with which
-    `study sweep` stops its workers once it was interrupted itself, which would leave the trial running in the queue
-    until its heartbeat went stale."""
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    worker giving its trial back to the queue, `study sweep` waiting for its workers to) is not cut short by a second
+    Ctrl-C or a SIGTERM, which would leave a trial running in the queue until its heartbeat went stale."""
+    previous = {signum: signal.signal(signum, _ignored) for signum in _STOPPING}
     try:
         yield
     finally:
@@ -72,11 +96,14 @@ def shielded():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
-def deliver_interrupts(sigterm: bool = True) -> None:
+def deliver_interrupts(sigterm: bool = True, once: bool = False) -> None:
     """In the main thread: SIGTERM (where `sigterm`) raises Terminated, and it or Ctrl-C's KeyboardInterrupt, when
-    lost in a finalizer, is delivered again rather than printed and dropped. Ctrl-C keeps the handler Python gave it
-    (none where the process was started with SIGINT ignored, as a shell's background job is). Idempotent."""
+    lost in a finalizer, is delivered again rather than printed and dropped. `once`: the first of them stops the
+    process and later ones are ignored (`_stop_once`). Ctrl-C keeps the handler Python gave it (none where the process
+    was started with SIGINT ignored, as a shell's background job is), made `once` where asked. Idempotent."""
     if sigterm:
-        signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGTERM, _stop_once if once else _terminate)
+    if once and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _stop_once)
     if not getattr(sys.unraisablehook, "redelivers", False):
         sys.unraisablehook = _redelivering_hook(sys.unraisablehook)

@@ -14,8 +14,8 @@ SCRIPT = textwrap.dedent("""
     import signal, sys, time, weakref
     from study.interrupts import deliver_interrupts
 
-    if sys.argv[2] == "on":
-        deliver_interrupts(sigterm=True)
+    if sys.argv[2] in ("on", "once"):
+        deliver_interrupts(sigterm=True, once=sys.argv[2] == "once")
     else:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signum = getattr(signal, sys.argv[1])
@@ -37,6 +37,10 @@ SCRIPT = textwrap.dedent("""
         print("ran to the end", flush=True)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
+        if sys.argv[2] == "once":  # a second signal during the cleanup is ignored: the cleanup runs to its end
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)
+            print("cleaned up", flush=True)
         sys.exit(130)
 """)
 
@@ -45,12 +49,39 @@ def _run(signame: str, mode: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", SCRIPT, signame, mode], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.parametrize("mode", ["on", "once"])
 @pytest.mark.parametrize(("signame", "code"), [("SIGINT", 130), ("SIGTERM", 128 + signal.SIGTERM)])
-def test_an_interrupt_raised_in_a_finalizer_stops_the_program_without_a_traceback(signame, code):
-    done = _run(signame, "on")
+def test_an_interrupt_raised_in_a_finalizer_stops_the_program_without_a_traceback(signame, code, mode):
+    done = _run(signame, mode)
     assert done.returncode == code, done.stdout + done.stderr
     assert "ran to the end" not in done.stdout and "the callback went on" not in done.stdout
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    if mode == "once" and signame == "SIGINT":
+        assert "cleaned up" in done.stdout, done.stdout + done.stderr
+
+
+def test_after_the_first_interrupt_a_once_process_ignores_the_next_even_when_both_were_pending():
+    """`study sweep` stops its workers with SIGTERM right after the terminal's Ctrl-C reached them: a worker that
+    gets the CPU late has both pending. The first stops it; the second must not cut its cleanup short."""
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from study.interrupts import deliver_interrupts
+
+        deliver_interrupts(sigterm=True, once=True)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+            print("not interrupted", flush=True)
+        except BaseException as first:
+            total = sum(range(100000))  # the cleanup: many bytecodes, where the pending SIGTERM would be raised
+            print(f"cleaned up after {type(first).__name__}", flush=True)
+            sys.exit(130)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130 and "cleaned up after KeyboardInterrupt" in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "race condition" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])

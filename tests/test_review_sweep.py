@@ -168,16 +168,22 @@ def test_a_pruned_tuning_trial_reaped_before_it_is_ended_is_lost_not_the_end_of_
 def test_a_worker_interrupted_while_its_trial_process_starts_gives_the_trial_back(tmp_path):
     """Ctrl-C while the launcher starts the trial (the zygote imports torch and Lightning for seconds): the attempt
     is recorded interrupted and the trial is queued again, not left RUNNING for the grace period to reap as lost
-    (which would spend one of its retries)."""
+    (which would spend one of its retries). The zygote may have forked the trial already: the launcher is closed
+    (which kills its children) before the trial is queued again, so no process of the old attempt outlives it."""
     plan, layout, url, queue = _sweep(tmp_path, **ONE_POINT)
+    events = []
 
     class Launcher:
         def start(self, cmd, env, log):
             raise KeyboardInterrupt
 
+        def close(self):
+            events.append(("closed", queue.counts(all_keys(plan))["running"]))
+
     claimed = queue.claim(set(all_keys(plan)))
     with pytest.raises(KeyboardInterrupt):
         worker.run_trial(queue, layout, claimed, plan, worker.WorkerOptions(), Launcher())
+    assert events == [("closed", 1)]  # closed while the trial was still this worker's
     (key,) = all_keys(plan)
     assert queue.counts([key]) == {"done": 0, "running": 0, "queued": 1, "failed": 0, "not queued": 0}
     run_dir = next(Path(layout.sweep_dir).parent.rglob("trial.json")).parent

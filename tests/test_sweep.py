@@ -364,6 +364,36 @@ def test_ctrl_c_says_what_it_interrupted_in_one_line_and_the_rerun_resumes(tmp_p
     assert set(completions(tmp_path / "results").values()) == {1} and len(completions(tmp_path / "results")) == 4
 
 
+@pytest.mark.parametrize(("signals", "code", "word"), [
+    ((("group", signal.SIGINT), ("group", signal.SIGINT)), 130, "interrupted"),
+    ((("sweep", signal.SIGTERM),), 143, "terminated"),
+], ids=["ctrl-c-twice", "sigterm-to-the-sweep-alone"])
+def test_a_second_ctrl_c_or_a_sigterm_to_the_sweep_alone_still_gives_every_running_trial_back(tmp_path, signals,
+                                                                                              code, word):
+    """A second Ctrl-C while the workers give their trials back does not cut that short (the sweep's exit would kill
+    them); `kill PID` of the sweep alone stops its workers too, and says so in one line, as Ctrl-C does."""
+    path = write_spec(tmp_path, seeds=[0, 1])
+    cmd = [sys.executable, "-m", "study.cli", "sweep", str(path), "--results", str(tmp_path / "results"),
+           "--workers", "2", "--runner", FAKE]
+    proc = subprocess.Popen(cmd, env={**os.environ, "STUDY_FAKE_SLEEP": "5"}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = tmp_path / "results" / "runs"
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(runs.glob("*/seed-*/executions.log"))) < 2:
+        time.sleep(0.2)
+    for i, (to, signum) in enumerate(signals):
+        time.sleep(0.05 if i else 0)
+        os.killpg(proc.pid, signum) if to == "group" else os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("study sweep:")]
+    assert len(lines) == 1 and lines[0].startswith(f"study sweep: {word}: 0/4 trials done"), err
+    queue, _ = queue_for(tmp_path / "results" / "t")
+    assert [t.number for t in queue.trials() if t.state.name == "RUNNING"] == []
+    assert json.loads((tmp_path / "results" / "t" / "invocations.json").read_text())[-1]["interrupted"] is True
+
+
 def test_each_finished_trial_reports_the_sweeps_progress_and_time_left():
     from study.sweep.worker import _progress_text
 

@@ -208,17 +208,17 @@ class _LogsAWorseCurve:
     """A tuning trial process that logs validation losses above the finished tuning trials' and keeps training."""
 
     def __init__(self, run_dir: str):
-        self.log = Path(run_dir) / "logs" / "metrics.csv"
+        self.log, self.killed = Path(run_dir) / "logs" / "metrics.csv", False
 
     def wait(self, timeout=None):
-        if timeout is None:  # waited for after the kill
+        if self.killed:  # waited for after the kill
             return -9
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.log.write_text("step,train/loss,val/loss\n1,,4.0\n2,,3.5\n3,3.2,\n")
         raise subprocess.TimeoutExpired("trial", timeout)
 
     def kill(self):
-        pass
+        self.killed = True
 
 
 def test_a_pruned_tuning_trial_records_its_last_validation_loss_not_an_objective(tmp_path):

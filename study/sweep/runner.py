@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from study.interrupts import Terminated, shielded
 from study.io import atomic_write_json, atomic_write_text, read_json
 from study.sweep import plan as planning
 from study.sweep.estimate import default_threads, estimate
@@ -29,7 +30,7 @@ from study.sweep.trial import DEFAULT_RUNNER
 from study.sweep.layout import (SweepLayout, all_keys, check_storage, finished_results, read_tuned, record_storage,
                                 recorded_storage, trial_specs)
 from study.sweep.tuning import settle_tuning_locked
-from study.sweep.worker import STORAGE_ENV, WorkerOptions, die_with_parent, open_queue, run_worker
+from study.sweep.worker import GIVE_BACK_S, STORAGE_ENV, WorkerOptions, die_with_parent, open_queue, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -130,18 +131,25 @@ def _run_workers(queue, layout: SweepLayout, url: str, plan_data: dict[str, Any]
             run_worker(queue, layout, replace(wopts, gpus=gpus[0]))
         else:
             run_worker_processes(layout, url, workers, wopts, gpus)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as stop:  # Ctrl-C, or SIGTERM (`kill`, a batch scheduler)
         keys = all_keys(plan_data)
         counts = queue.counts(keys)
         _record_invocation(layout, started, workers, threads, counts, interrupted=True)
-        raise SweepInterrupted(f"interrupted: {counts['done']}/{len(keys)} trials done; the running ones were "
-                               "stopped and given back to the queue. Run the same command again to resume.") from None
+        raise SweepInterrupted(f"{'interrupted' if isinstance(stop, KeyboardInterrupt) else 'terminated'}: "
+                               f"{counts['done']}/{len(keys)} trials done; the running ones were stopped and given "
+                               "back to the queue. Run the same command again to resume.",
+                               130 if isinstance(stop, KeyboardInterrupt) else stop.code) from None
     finally:
         claims.release()
 
 
 class SweepInterrupted(Exception):
-    """Ctrl-C (or SIGTERM) stopped a sweep; its message says what was interrupted and how to resume."""
+    """Ctrl-C (or SIGTERM) stopped a sweep; its message says what was interrupted and how to resume, `exit_code` is
+    130 for Ctrl-C and 143 for SIGTERM (as a shell reports a process those signals killed)."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _record_invocation(layout: SweepLayout, started: float, workers: int, threads: int,
@@ -183,11 +191,25 @@ def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: Work
                 log.warning("worker %d of %d (pid %d) stopped with exit code %d; its running trial is taken back when "
                             "another worker or the next `study sweep` finds it gone", i, workers, p.pid, p.returncode)
     except BaseException:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
+        with shielded():  # a second Ctrl-C must not end this process, which kills the workers (die_with_parent)
+            _stop_workers(procs)
         raise
+
+
+def _stop_workers(procs: list[subprocess.Popen]) -> None:
+    """Ask every worker to stop (SIGTERM: a worker the terminal's Ctrl-C reached already ignores it) and wait for them
+    to give their trials back, each within GIVE_BACK_S (`worker.GIVE_BACK_S`, twice: its trial process, then the
+    storage) plus its own exit; a worker still running then is killed, and its trial is taken back as lost."""
+    for p in procs:
+        p.terminate()
+    deadline = time.time() + 2 * GIVE_BACK_S + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            log.warning("worker pid %d did not stop within %.0f s of being asked; killed", p.pid, 2 * GIVE_BACK_S + 10)
+            p.kill()
+            p.wait()
 
 
 def _recorded_file_storage(layout: SweepLayout) -> str | None:

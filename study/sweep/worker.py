@@ -43,6 +43,9 @@ from study.sweep.zygote import Zygote, die_with_parent, kill_group
 
 log = logging.getLogger(__name__)
 STORAGE_ENV = "STUDY_STORAGE"
+# How long an interrupted worker gives back its trial: reaping the killed trial process, then an unreachable storage.
+# (The first Ctrl-C or SIGTERM stops a worker and later ones are ignored, so this bounds how long it takes.)
+GIVE_BACK_S = 10.0
 DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
                    "GROUP_RANK")
 
@@ -241,17 +244,23 @@ def _supervise(queue: TrialQueue, child: subprocess.Popen, attempt: Attempt, pru
 
 
 def _stop(child) -> None:
+    """Kill a trial's process and reap it, waiting at most GIVE_BACK_S: past that the worker goes on with what it was
+    doing (its run directory's lock keeps a retry from training beside a process that outlived the kill)."""
     child.kill()
-    child.wait()
+    try:
+        child.wait(timeout=GIVE_BACK_S)
+    except subprocess.TimeoutExpired:
+        log.warning("the trial process (pid %s) was killed but not reaped within %.0f s", getattr(child, "pid", "?"),
+                    GIVE_BACK_S)
 
 
-def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any],
-              opts: WorkerOptions, launcher: Launcher | None = None) -> str:
-    """Run one claimed trial in a subprocess; returns completed, diverged, failed, pruned or lost."""
-    sweep, attempt = plan["sweep"], None
-    try:  # a trial that cannot start (its tuning setting's config, its run directory) fails, not the worker
+def _begin(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any]):
+    """(the attempt, its pruning monitor), or the outcome of a trial that could not start (its tuning setting's
+    config, its run directory): it fails, not the worker. Interrupted here, the trial goes back to the queue."""
+    attempt = None
+    try:
         attempt = _start(queue, layout, claimed, plan)
-        pruning = (tuning.PruningMonitor(attempt.tuning[1], tuning.pruned_run_dir(
+        return attempt, (tuning.PruningMonitor(attempt.tuning[1], tuning.pruned_run_dir(
             layout, plan, attempt.runs_point, claimed.spec.seed, attempt.run_dir))
             if attempt.tuning and plan["tune"]["pruner"] != "none" else None)
     except StorageError:  # the storage gone for good: the worker stops (main), the grace period gives it back
@@ -260,16 +269,31 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
         return _taken_back(queue, plan, attempt, claimed)
     except Exception as err:  # noqa: BLE001
         return _start_failed(queue, layout, plan, claimed, err, attempt)
+    except BaseException:  # Ctrl-C or SIGTERM
+        with shielded():
+            _interrupted(queue, claimed, attempt, plan["sweep"])
+        raise
+
+
+def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any],
+              opts: WorkerOptions, launcher: Launcher | None = None) -> str:
+    """Run one claimed trial in a subprocess; returns completed, diverged, failed, pruned or lost."""
+    sweep, begun = plan["sweep"], _begin(queue, layout, claimed, plan)
+    if isinstance(begun, str):
+        return begun
+    attempt, pruning = begun
     cmd, env = _command(layout, attempt, opts)
     run = RunDir(attempt.run_dir)
     with open(run.trial_log, "ab") as out:
         out.write(f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n".encode())
+    launcher = launcher or Launcher(WorkerOptions(launcher="spawn"))
     try:  # a launcher that cannot start the trial (e.g. the zygote's preload fails) fails this attempt, as a crash would
-        child = (launcher or Launcher(WorkerOptions(launcher="spawn"))).start(cmd, env, run.trial_log)
+        child = launcher.start(cmd, env, run.trial_log)
     except Exception as err:  # noqa: BLE001
         return _settle(queue, layout, plan, attempt, _note_start_failure(run.trial_log, err))
-    except BaseException:  # Ctrl-C or SIGTERM while the zygote imports (seconds): nothing started, the trial goes back
+    except BaseException:  # Ctrl-C or SIGTERM as the zygote imports or forks: a child it forked dies with it first
         with shielded():
+            launcher.close()
             _interrupted(queue, claimed, attempt, sweep)
         raise
     try:
@@ -299,12 +323,32 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
     return _settle(queue, layout, plan, attempt, rc)
 
 
-def _interrupted(queue: TrialQueue, claimed: Claimed, attempt: Attempt, sweep: str) -> None:
-    """The worker was interrupted during this attempt: its record says so, and the trial goes back to the queue."""
-    attempt.write(sweep, ended=time.time(), outcome="interrupted")
-    with contextlib.suppress(StorageError):  # (the storage gone for good: the grace period gives it back)
+def _interrupted(queue: TrialQueue, claimed: Claimed, attempt: Attempt | None, sweep: str) -> None:
+    """The worker was interrupted during this attempt: the trial goes back to the queue (first, and within
+    GIVE_BACK_S of an unreachable storage: the worker is stopping), then its record says so."""
+    with contextlib.suppress(StorageError), _retrying_at_most(queue, GIVE_BACK_S):
         queue.release(claimed, "worker interrupted")
-        attempt.tell_failed()
+        if attempt is not None:
+            attempt.tell_failed()
+    if attempt is not None:
+        try:
+            attempt.write(sweep, ended=time.time(), outcome="interrupted")
+        except OSError as err:  # (a full disk): the interrupt, not this, is what the worker stops with
+            log.warning("%s: could not record the interrupted attempt: %s", queue.worker, err)
+
+
+@contextlib.contextmanager
+def _retrying_at_most(queue: TrialQueue, seconds: float):
+    """The queue's storage calls retry an outage for at most `seconds` within the block (see storage.retrying)."""
+    storage = queue.storage
+    saved = getattr(storage, "retry_s", None)
+    if saved is not None:
+        storage.retry_s = min(saved, seconds)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            storage.retry_s = saved
 
 
 def _start_failed(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,
@@ -514,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     if not url:
         print(f"worker: set ${STORAGE_ENV} to the sweep's storage URL", file=sys.stderr)
         return 2
-    deliver_interrupts(sigterm=True)  # on SIGTERM, run_trial's cleanup gives the trial back
+    deliver_interrupts(sigterm=True, once=True)  # on Ctrl-C or SIGTERM run_trial gives the trial back, undisturbed
     layout = SweepLayout(Path(args.sweep_dir))
     plan = read_json(layout.plan_path)
     try:
