@@ -195,7 +195,8 @@ def test_the_kv_cache_effect_reads_by_construction(tmp_path, effects):
     kv = tested.set_index("effect_id").loc["mqa-decode-cost"]
     assert kv["verdict"] == "by construction" and kv["holm_verdict"] == "by construction"
     assert kv["our_ratio"] == "1/4" and math.isnan(kv["p_value"]) and math.isnan(kv["holm_p"])
-    assert kv["holm_family"] == tested["p_value"].notna().sum()  # not in the family
+    # not in the family, whose one member is the valid_loss test the two mqa effects (LM, MT) share
+    assert kv["holm_family"] == 1 and tested["p_value"].notna().sum() == 2
     assert "agree" not in set(tested.loc[tested["our_metric"].str.startswith("cost.kv"), "verdict"])
     md = run_compare(load_results(root), tmp_path / "out").markdown.read_text()
     assert "**by construction**" in md and "variant/baseline 1/4 (computed from the config)" in md
@@ -205,7 +206,8 @@ def test_the_kv_cache_effect_reads_by_construction(tmp_path, effects):
 def test_holm_verdicts_withdraw_what_the_family_does_not_support():
     assert holm_verdict("worse", "agree", 0.01) == "agree"
     assert holm_verdict("worse", "agree", 0.09) == "inconclusive"
-    assert holm_verdict("same", "disagree", 0.2) == "consistent"
+    # withdrawn, a disagree with a published 'same' is inconclusive: 'consistent' says our interval contains zero
+    assert holm_verdict("same", "disagree", 0.2) == "inconclusive"
     assert holm_verdict("worse", "inconclusive", float("nan")) == "inconclusive"
     assert holm_verdict("better", "by construction", float("nan")) == "by construction"
 
@@ -221,10 +223,14 @@ def test_nsp_effects_map_to_the_glue_columns_with_per_task_verdicts(tmp_path, ef
     assert sst2["our_diff"] < 0 and sst2["verdict"] == "disagree"  # Devlin: -0.1 ('same'); ours -3 points
     assert by_id.loc["no-nsp-devlin-qnli", "verdict"] == "not measured"  # QNLI is not in the sweep
     assert "pairs are pretrain seeds" in sst2["comparability"]
-    # Holm over the effects this report tested
+    # Holm over the tests this report made: Devlin's and RoBERTa's SST-2 effects are one test (same cells, same
+    # column), a single member of the family sharing its adjusted p
     tested_p = tested["p_value"].tolist()
-    assert tested["holm_p"].tolist() == pytest.approx(holm_adjust(tested_p), nan_ok=True)
-    assert int(tested["holm_family"].iloc[0]) == sum(not math.isnan(p) for p in tested_p) == 3
+    assert sum(not math.isnan(p) for p in tested_p) == 3
+    mrpc, roberta = by_id.loc["no-nsp-devlin-mrpc"], by_id.loc["no-nsp-roberta-sst2"]
+    assert roberta["p_value"] == sst2["p_value"] and roberta["holm_p"] == sst2["holm_p"]
+    assert [mrpc["holm_p"], sst2["holm_p"]] == pytest.approx(holm_adjust([mrpc["p_value"], sst2["p_value"]]))
+    assert int(tested["holm_family"].iloc[0]) == 2
     # the minimum detectable difference from the paired sd, in points (the published effect's units)
     assert sst2["our_mde"] == pytest.approx(minimum_detectable_difference(sst2["our_sd"], 3))
     assert sst2["same_units"] and sst2["published_effect"] == pytest.approx(-0.1)
@@ -240,7 +246,7 @@ def test_an_inconclusive_effect_states_whether_the_seeds_could_have_detected_the
     assert sst2["published_effect_detectable"] == "no"  # 0.1 points is far below what 3 pretraining seeds resolve
     md = comparison.markdown.read_text()
     assert "the seeds could not have detected an effect of the published size (-0.1)" in md
-    assert "effects were tested here" in md and "Holm" in md
+    assert "paired tests were made here" in md and "Holm" in md
     assert (tmp_path / "out" / "compare_effects.csv").is_file()
     written = pd.read_csv(tmp_path / "out" / "compare_effects.csv")
     for col in ("p_value", "holm_p", "holm_verdict", "our_mde", "same_units", "published_effect_detectable",

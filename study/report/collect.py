@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from study.record import COSTS, STATUSES, RunDir, stage_run_dirs
+from study.record import COSTS, FINISHED, STATUSES, RunDir, stage_run_dirs
+from study.report.stats import DIRECTIONS
 
 NOT_RUN = ("running", "pending")
 # `<split>_ppl_by_length.<L>` and `<split>_ppl_at_2x`: the LM task's extrapolation metrics, on the corpus's last
@@ -209,6 +210,8 @@ class SweepResults:
         if found is None:
             return None
         pattern, d = found
+        check_direction(d.get("direction"), f"{column} (declared as {pattern!r}, task {family!r})",
+                        self.root / "plan.json")
         return Declaration(column, pattern, family, d["direction"], str(d.get("scale") or ""),
                            bool(d.get("objective", True)), description=str(d.get("description") or ""),
                            cost=bool(d.get("cost", False)))
@@ -370,6 +373,11 @@ class SweepResults:
         done = self.table[self.table["status"] == "completed"]
         return done if task is None else done[done["task"] == task]
 
+    def finished(self, task: str | None = None) -> pd.DataFrame:
+        """The trials that ended with a result: completed or diverged (a paired difference names the divergences)."""
+        done = self.table[self.table["status"].isin(FINISHED)]
+        return done if task is None else done[done["task"] == task]
+
     def labels_for(self, task: str) -> list[str]:
         """The variant labels of one task, in variant order."""
         present = set(self.table.loc[self.table["task"] == task, "label"])
@@ -521,6 +529,19 @@ def check_plan(plan: dict, root: Path) -> None:
             f"{where} predates declared metrics (it lacks {', '.join(missing)}): its metrics' directions and scales "
             "are not recorded and the report does not guess them. Re-run the sweep with the current `study sweep` "
             "(finished trials are found and kept; only plan.json and the results table are rewritten).")
+    check_direction(obj["direction"], f"the objective {obj['metric']}", where)
+    for task, declared in plan["tasks"].items():
+        for name, d in ((declared or {}).get("metrics") or {}).items():
+            check_direction((d or {}).get("direction"), f"{name} (task {task!r})", where)
+
+
+def check_direction(direction: Any, what: str, where: Path) -> None:
+    """A declared direction is 'minimize' or 'maximize'; any other value ('min', a typo, none) is refused, never read
+    as one of them: read as maximize, a 'min' would flip every verdict of the metric without a word."""
+    if direction not in DIRECTIONS:
+        raise UndeclaredMetric(f"{what}: {where} declares the direction {direction!r}; a direction is one of "
+                               f"{', '.join(repr(d) for d in DIRECTIONS)}, and the report does not guess which one "
+                               "is meant")
 
 
 def _read_table(path: Path, root: Path) -> tuple[pd.DataFrame | None, str]:

@@ -59,7 +59,16 @@ from study.report.measure import (  # noqa: F401  (re-exported: the comparison's
     sweep_measurements,
 )
 from study.report.published import EFFECT_METRICS, load_effects, load_published
-from study.report.stats import ALPHA, NO_SPREAD_TEST, NO_SPREAD_WHY, POWER, holm_adjust, paired_difference
+from study.report.stats import (
+    ALPHA,
+    NO_SPREAD_TEST,
+    NO_SPREAD_WHY,
+    POWER,
+    holm_adjust,
+    lower_is_better,
+    no_spread_text,
+    paired_difference,
+)
 
 BY_CONSTRUCTION = "by construction"
 COUNTED = ("agree", "disagree")  # the verdicts that claim something, and that Holm's correction may withdraw
@@ -335,7 +344,11 @@ def _unvaried_held(results: SweepResults, e: pd.Series, pair: CellPair) -> tuple
 
 
 # -- effects -------------------------------------------------------------------------------------------------------
-def _effect_verdict(published: str, ours: str) -> str:
+def _effect_verdict(published: str, ours: str, withheld: bool = False) -> str:
+    """Our verdict beside the published direction. `withheld`: our pairs gave a verdict that a divergence withdrew
+    (stats.PairedDifference.verdict), so 'inconclusive' does not mean our interval contains zero: never 'consistent'."""
+    if withheld:
+        return "inconclusive"
     if ours in ("no pairs", "not run"):
         return "not run"
     if ours == "not measured":
@@ -353,10 +366,11 @@ def _effect_verdict(published: str, ours: str) -> str:
 
 def holm_verdict(published: str, verdict: str, holm_p: float) -> str:
     """The verdict after Holm's correction: an agree/disagree whose adjusted p-value is not below 0.05 is withdrawn
-    (inconclusive; 'consistent' where the publication reports no difference); other verdicts stand."""
+    (inconclusive); other verdicts stand. Never 'consistent', even where the publication reports no difference:
+    that word says our interval contains zero, and a withdrawn disagree's interval excludes it."""
     if verdict not in COUNTED or (math.isfinite(holm_p) and holm_p < ALPHA):
         return verdict
-    return "consistent" if published == "same" else "inconclusive"
+    return "inconclusive"
 
 
 def resolve_metric(results: SweepResults, name: str, task: str) -> tuple[str | None, Declaration | None]:
@@ -473,7 +487,7 @@ def _our_difference(results: SweepResults, e: pd.Series, pair: CellPair) -> tupl
         return task, col, spec, None, "not measured"
     if spec is None:
         return task, col, spec, None, "direction not declared"
-    d = paired_difference(done, col, pair.variant, pair.baseline, spec.direction)
+    d = paired_difference(results.finished(task), col, pair.variant, pair.baseline, spec.direction)
     return task, col, spec, d, d.verdict
 
 
@@ -482,7 +496,7 @@ def _constructed_direction(d) -> str:
     differs alike on every seed, so a test has no spread to work with; the row is never counted as evidence)."""
     if d.diff.mean == 0:
         return "same"
-    return "better" if (d.diff.mean < 0) == (d.direction == "minimize") else "worse"
+    return "better" if (d.diff.mean < 0) == lower_is_better(d.direction) else "worse"
 
 
 def _effect_row(results: SweepResults, e: pd.Series, pair: CellPair) -> dict:
@@ -505,25 +519,40 @@ def _effect_row(results: SweepResults, e: pd.Series, pair: CellPair) -> dict:
         "our_held": _held_text(pair.held) if results.design != "ofat" else "",
         "our_n_pairs": d.diff.n if d else 0, "our_diff": d.diff.mean if d else math.nan,
         "our_ci_lo": d.diff.lo if d else math.nan, "our_ci_hi": d.diff.hi if d else math.nan,
-        "our_sd": d.diff.sd if d else math.nan,
+        "our_sd": d.diff.sd if d else math.nan, "our_diverged": d.divergence if d else "",
         "our_ratio": _ratio(_mean(done, pair.variant, col), _mean(done, pair.baseline, col)) if constructed else "",
         "p_value": d.p_value if d is not None and not constructed else math.nan,
         "our_test": d.test if d is not None and not constructed else "",
         **_power_columns(e, spec, d),
         "our_direction": ours,
-        "verdict": BY_CONSTRUCTION if constructed else _effect_verdict(e["published_direction"], ours),
+        "verdict": BY_CONSTRUCTION if constructed else _effect_verdict(e["published_direction"], ours,
+                                                                      d is not None and d.verdict != d.pairs_verdict),
         "comparability": _effect_notes(results, e, task, done, pair, split, metric, spec),
     }
 
 
+def _test_key(r: pd.Series) -> tuple:
+    """What makes two effect rows one test: the same two cells (either way round) on the same column."""
+    return frozenset((r["our_baseline_label"], r["our_variant_label"])), r["our_metric"]
+
+
 def add_holm(tested: pd.DataFrame) -> pd.DataFrame:
     """Holm-adjusted p-values and verdicts over every effect of the report with a p-value (two or more pairs, a
-    declared direction, not by construction): the family of tests this report makes."""
+    declared direction, not by construction): the family of tests this report makes. Effects that are one paired
+    test (two publications' mqa effects on the same two cells and column) are one member of the family: counting
+    it twice would make the correction stricter than the tests made, and its adjusted p is shared."""
     if tested.empty:
         return tested
     tested = tested.copy()
-    tested["holm_p"] = holm_adjust(tested["p_value"].tolist())
-    tested["holm_family"] = int(tested["p_value"].notna().sum())
+    keys = [_test_key(r) for _, r in tested.iterrows()]
+    first = {}
+    for key, p in zip(keys, tested["p_value"]):
+        if math.isfinite(p):
+            first.setdefault(key, p)
+    adjusted = dict(zip(first, holm_adjust(list(first.values()))))
+    tested["holm_p"] = [adjusted.get(k, math.nan) if math.isfinite(p) else math.nan
+                        for k, p in zip(keys, tested["p_value"])]
+    tested["holm_family"] = len(first)
     tested["holm_verdict"] = [holm_verdict(r["published_direction"], r["verdict"], r["holm_p"])
                               for _, r in tested.iterrows()]
     return tested
@@ -592,11 +621,14 @@ def _ci_text(r) -> str:
 
 
 def _ours_text(r) -> str:
-    """Mean ± 95% half-width (n); one value has no interval: 'n=1, no CI', never ± 0."""
+    """Mean ± 95% half-width (n); one value, or n equal values, has no interval: 'n=1, no CI', 'no spread (n equal
+    values)', never ± 0."""
     if r["our_n"] == 0 or pd.isna(r["our_mean"]):
         return "–"
     if r["our_n"] == 1:
         return f"{fmt(r['our_mean'])} (n=1, no CI)"
+    if pd.isna(r["our_ci_lo"]):  # n equal values (stats.mean_ci): no interval, never ± 0
+        return f"{fmt(r['our_mean'])}, {no_spread_text(int(r['our_n']))}"
     return f"{fmt(r['our_mean'])} ± {fmt((r['our_ci_hi'] - r['our_ci_lo']) / 2)} (n={r['our_n']})"
 
 
@@ -634,7 +666,9 @@ def _ours_effect_text(r) -> str:
         return f"{r['our_direction']}: {r['our_metric']} variant/baseline {r['our_ratio']} (computed from the config)"
     ours = "–" if pd.isna(r["our_diff"]) else fmt(r["our_diff"], "signed") + (
         f" {_ci_text(r)}" if r["our_n_pairs"] >= 2 else " (n=1, no CI)")
-    return f"{r['our_direction']}: Δ {r['our_metric']} {ours}"
+    diverged = r.get("our_diverged")
+    return f"{r['our_direction']}: Δ {r['our_metric']} {ours}" + (f"; {diverged}" if isinstance(diverged, str)
+                                                                   and diverged else "")
 
 
 def _effect_label(r) -> str:
@@ -644,17 +678,22 @@ def _effect_label(r) -> str:
 
 
 def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
-    counts = effects["verdict"].value_counts()
+    # the glance counts the verdicts the table's last column states: a verdict Holm's correction withdraws is
+    # counted as withdrawn, never as the agreement or disagreement it was at 95% alone
+    counts = effects["holm_verdict" if "holm_verdict" in effects else "verdict"].value_counts()
     family = int(effects["holm_family"].iloc[0]) if "holm_family" in effects else 0
-    doc.p("At a glance: " + ", ".join(f"**{n} {v}**" for v, n in counts.items()) + f" of {len(effects)} effects. "
+    doc.p("At a glance, after Holm's correction: " + ", ".join(f"**{n} {v}**" for v, n in counts.items())
+          + f" of {len(effects)} effects. "
           "*agree*/*disagree*: our 95% interval of the paired difference (same seeds) excludes zero and has the "
-          "published sign / the opposite sign; *inconclusive*: our interval contains zero; *consistent*: the "
+          "published sign / the opposite sign, and its Holm-adjusted p-value is below 0.05; *inconclusive*: our "
+          "interval contains zero, or Holm's correction withdraws the agree/disagree; *consistent*: the "
           "publication reports no clear difference and our interval contains zero (which does not prove equality); "
           f"*{BY_CONSTRUCTION}*: our metric is computed from the config by arithmetic, so its difference is the "
           "definition of the variant, not evidence (shown with its ratio, never counted as agreement). Published "
           "numbers are single runs without intervals unless stated.")
-    doc.p(f"**Multiplicity: {family} effects were tested here** (those with two or more seed pairs and a declared "
-          f"direction), each at 95%. Holm's step-down correction (Holm 1979) compares the smallest p-value with "
+    doc.p(f"**Multiplicity: {family} paired tests were made here** (one per pair of cells and metric with two or "
+          "more seed pairs and a declared direction; effects that are the same test on the same cells and metric "
+          f"count once), each at 95%. Holm's step-down correction (Holm 1979) compares the smallest p-value with "
           f"0.05/{family}, the next with 0.05/{max(family - 1, 1)}, and so on, stopping at the first that fails, so "
           "the chance of any false agree/disagree among them stays at most 5%; the *Holm* column is the verdict "
           "after it. For an inconclusive effect the details give the smallest difference the seeds could have "

@@ -24,6 +24,7 @@ from matplotlib.lines import Line2D
 
 from study.record import COSTS as RECORD_COSTS
 from study.report.collect import SPLIT_WORDS, SweepResults, by_length_columns, metric_column
+from study.report.family import paired_family
 from study.report.figure_layout import (
     BASELINE_COLOUR,
     N_DISTINCT,
@@ -33,7 +34,15 @@ from study.report.figure_layout import (
     pin_beyond,
     readable_axes,
 )
-from study.report.stats import NO_SPREAD_TEST, finite, mean_ci, paired_differences, pareto_front, summarize
+from study.report.stats import (
+    NO_SPREAD_TEST,
+    Interval,
+    finite,
+    mean_ci,
+    no_spread_text,
+    pareto_front,
+    summarize,
+)
 
 COSTS = (  # column, axis label, better (from study.record.COSTS' declared direction)
     ("cost.train_tokens_per_s", "training throughput"),
@@ -108,8 +117,11 @@ def _finish(fig: Figure, series: list[str]) -> Figure:
     return fig
 
 
-def _n_text(n: int) -> str:
-    return "n=1, no CI" if n == 1 else f"n={n}"
+def _n_text(ci: Interval) -> str:
+    """The n beside a variant's mean, and why it has no interval where it has none (one seed; n equal values)."""
+    if ci.n == 1:
+        return "n=1, no CI"
+    return f"n={ci.n}" if ci.has_ci or ci.n == 0 else no_spread_text(ci.n)
 
 
 # -- 1. metric per variant with 95% CIs ----------------------------------------------------------------
@@ -136,10 +148,10 @@ def _draw_variant(ax, x: int, vals: pd.Series, colour, is_baseline: bool, limits
         beyond += [("95% CI to", ci.lo), ("95% CI to", ci.hi)] if ci.has_ci else []
         pin_beyond(ax, x, beyond, limits, colour)
     if top > hi:  # the pinned values' labels stand right of the edge marker: n goes left of it, inside the axes
-        ax.annotate(_n_text(ci.n), (x, hi), textcoords="offset points", xytext=(-7, -9), ha="right", va="center",
+        ax.annotate(_n_text(ci), (x, hi), textcoords="offset points", xytext=(-7, -9), ha="right", va="center",
                     fontsize=7, color="0.35")
     else:
-        ax.annotate(_n_text(ci.n), (x, top), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7,
+        ax.annotate(_n_text(ci), (x, top), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7,
                     color="0.35")
     return ci.mean
 
@@ -186,30 +198,46 @@ def plot_metric_by_variant(done: pd.DataFrame, variants: list[tuple[str, str]], 
 VERDICT_COLOURS = {"better": "#1b7837", "worse": "#b2182b", "inconclusive": "0.45"}
 
 
+def _shown_verdict(r: pd.Series) -> str:
+    """The verdict a paired row is drawn with: after Holm's correction where the row carries it (as the report's
+    tables do), else the uncorrected 95% one (the figure's title then says so)."""
+    holm = r.get("verdict_holm")
+    return str(holm) if isinstance(holm, str) and holm else str(r["verdict"])
+
+
 def _paired_text(r: pd.Series) -> str:
-    """A paired row's label beside its point: the verdict and n, and for differences with no spread the test the
-    verdict follows instead of an interval ('inconclusive (n=2, no spread: sign-flip p 0.5)')."""
-    n = int(r["n_pairs"])
+    """A paired row's label beside its point: the verdict and n, the uncorrected verdict where Holm's correction
+    withdrew it, for differences with no spread the test the verdict follows instead of an interval ('inconclusive
+    (n=2, no spread: sign-flip p 0.5)'), and what diverged where the other side did not."""
+    n, verdict = int(r["n_pairs"]), _shown_verdict(r)
+    parts = [f"n={n}"]
+    if verdict != r["verdict"]:
+        parts.append(f"{r['verdict']} at 95% before Holm")
     if r.get("test") == NO_SPREAD_TEST:
-        return f"{r['verdict']} (n={n}, no spread: sign-flip p {r['p_value']:.3g})"
-    return f"{r['verdict']} (n={n})"
+        parts.append(f"no spread: sign-flip p {r['p_value']:.3g}")
+    diverged = r.get("diverged")
+    if isinstance(diverged, str) and diverged:
+        parts.append(diverged)
+    return f"{verdict} ({', '.join(parts)})"
 
 
 def plot_paired_differences(paired: pd.DataFrame, title: str, xlabel: str, direction: str) -> Figure:
     """Each variant's mean paired difference from the baseline (same seeds) with its 95% t interval: the verdicts'
-    own numbers, drawn. Green: better, red: worse (the interval excludes zero), grey: inconclusive; a variant without
-    pairs or with one pair (no interval) is named at zero. Pairs whose differences are all equal (`test` is
-    stats.NO_SPREAD_TEST) have no interval either: the point stands alone, labelled 'no spread' with the exact
-    sign-flip p its verdict follows (2^(1-n): green or red only from 6 pairs on)."""
+    own numbers, drawn. Coloured by the verdict after Holm's correction where `paired` has it (`verdict_holm`, as
+    the report's tables show it), else by the uncorrected 95% verdict, and the title says which. Green: better, red:
+    worse, grey: inconclusive; a variant without pairs or with one pair (no interval) is named at zero. Pairs whose
+    differences are all equal (`test` is stats.NO_SPREAD_TEST) have no interval either: the point stands alone,
+    labelled 'no spread' with the exact sign-flip p its verdict follows (2^(1-n): green or red only from 6 pairs
+    on)."""
     rows = paired.reset_index(drop=True)
     fig, (ax,) = _new(width=7.2, height=max(2.4, 0.42 * len(rows) + 1.4))
     series = []
     for y, r in rows.iterrows():
         label = str(r["label"])
         if not np.isfinite(r["diff"]):
-            ax.annotate(f"{r['verdict']}", (0, y), ha="center", va="center", fontsize=7, color="0.4")
+            ax.annotate(_shown_verdict(r), (0, y), ha="center", va="center", fontsize=7, color="0.4")
             continue
-        colour = VERDICT_COLOURS.get(str(r["verdict"]), "0.45")
+        colour = VERDICT_COLOURS.get(_shown_verdict(r), "0.45")
         has_ci = np.isfinite(r["ci_lo"]) and np.isfinite(r["ci_hi"])
         xerr = [[r["diff"] - r["ci_lo"]], [r["ci_hi"] - r["diff"]]] if has_ci else None
         ax.errorbar([r["diff"]], [y], xerr=xerr, fmt="o", color=colour, ms=6, capsize=4, elinewidth=1.8)
@@ -222,8 +250,10 @@ def plot_paired_differences(paired: pd.DataFrame, title: str, xlabel: str, direc
     ax.margins(x=0.25)
     better = "lower" if direction == "minimize" else "higher"
     ax.set_xlabel(f"{xlabel} (variant − baseline; {better} is better)")
-    ax.set_title(f"{title}\npaired difference against the baseline:\nmean and 95% t interval over seed pairs",
-                 fontsize=10)
+    which = ("colour: verdict after Holm's correction, as in the report" if "verdict_holm" in rows
+             else "colour: 95% verdict, not corrected for multiple tests")
+    ax.set_title(f"{title}\npaired difference against the baseline:\nmean and 95% t interval over seed pairs\n"
+                 f"{which}", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     return _finish(fig, series)
 
@@ -512,7 +542,7 @@ def plot_heatmap(done: pd.DataFrame, axis_a: str, axis_b: str, values_a: list[st
             ci = mean_ci(sub[metric_col]) if metric_col in sub else mean_ci([])
             if ci.n:
                 mean.loc[a, b] = ci.mean
-                spread = f"±{ci.half_width:.2g}" if ci.has_ci else "no CI"
+                spread = f"±{ci.half_width:.2g}" if ci.has_ci else "no CI" if ci.n == 1 else "no spread"
                 annot.loc[a, b] = f"{ci.mean:.4g}\n{spread}\nn={ci.n}"
     cmap = "rocket_r" if direction == "maximize" else "rocket"
     ax.set_facecolor("0.93")  # an empty cell is left transparent by seaborn: grey, never a colour of the scale
@@ -594,6 +624,7 @@ class _TaskFigures:
     palette: dict
     emit: object  # emit(fig, name, title, kind, task, axis=None)
     skip: object  # skip(name, title, kind, task, axis, reason): a figure the results cannot draw, and why
+    family: list = field(default_factory=list)  # family.paired_family: the report's Holm-corrected paired tests
 
     def __post_init__(self) -> None:
         r, task = self.results, self.task
@@ -613,7 +644,9 @@ class _TaskFigures:
         others = [lbl for lbl in self.labels if lbl != self.base]
         if not others or self.mcol not in self.done:
             return
-        paired = paired_differences(self.done, self.mcol, self.base, others, self.direction)
+        paired = next((t.table for t in self.family if t.task == self.task and t.column == self.mcol), None)
+        if paired is None:
+            return
         fig = plot_paired_differences(paired, f"{self.head}: {self.name}", f"Δ {self.ylabel}", self.direction)
         if fig._study_series:
             self.emit(fig, f"{self.prefix}{self.name}-paired-differences",
@@ -742,8 +775,9 @@ def make_figures(results: SweepResults, out: str | Path, formats=("png", "svg"),
     def skip(name: str, title: str, kind: str, task: str, axis: str | None, reason: str):
         infos.append(FigureInfo(slug(name), title, kind, task, axis, [], [], reason))
 
+    family = paired_family(results) if "paired" in kinds else []
     for task in results.tasks:
-        figures = _TaskFigures(results, task, palette, emit, skip)
+        figures = _TaskFigures(results, task, palette, emit, skip, family)
         for kind in KINDS:
             if kind in kinds:
                 getattr(figures, kind)()

@@ -15,14 +15,14 @@ from typing import Any, Iterable
 import pandas as pd
 
 from study.record import COSTS
-from study.report.collect import Declaration, SweepResults, at_2x_column, metric_column, metric_name
+from study.report.collect import Declaration, SweepResults, metric_column, metric_name
+from study.report.family import PairedTest, family_size, holm_paired_verdict, paired_family  # noqa: F401
 from study.report.figures import FigureInfo
 from study.report.stats import (
-    ALPHA,
     NO_SPREAD_TEST,
     NO_SPREAD_WHY,
     finite,
-    holm_adjust,
+    no_spread_text,
     paired_differences,
     small_n_note,
     summarize,
@@ -193,6 +193,8 @@ def _interval_text(row) -> tuple[str, str]:
         return "no completed run", "–"
     if row["n"] == 1:
         return f"{fmt(row['mean'])} (n=1, no CI)", "–"
+    if pd.isna(row["ci_lo"]):  # n equal values (stats.mean_ci): no interval, never ± 0 [d, d]
+        return f"{fmt(row['mean'])}, {no_spread_text(int(row['n']))}", "–"
     return f"{fmt(row['mean'])} ± {fmt(row['ci_half'])}", f"[{fmt(row['ci_lo'])}, {fmt(row['ci_hi'])}]"
 
 
@@ -386,7 +388,8 @@ def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFram
     planned = planned_trials(results)
     secondary = secondary_columns(results, task, done, mcol)
     costs = _cost_columns(done, results, task)
-    summary = summarize(done, mcol, order=labels, extra=[*(c for c, _ in secondary), *(c for c, _, _ in costs)])
+    extras = [*(c for c, _ in secondary), *(c for c, _, _ in costs)]
+    summary = summarize(done, mcol, order=labels, extra=extras)
     headers = ["variant", "n / planned", f"{metric_name(mcol)} ({scale_text(spec)}; 95% CI)", "interval",
                *[f"{metric_name(c)} ({scale_text(d)})" for c, d in secondary], *[h for _, h, _ in costs]]
     rows = []
@@ -404,53 +407,16 @@ def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFram
           "Secondary metrics and costs are means over the same seeds as the primary metric."
           + (f" {', '.join(constructed)} follow from the config by arithmetic (by construction, not measurements)"
              if constructed else "")
-          + (f"; {', '.join(measured)} are measured on this machine." if measured else "."))
+          + (f"; {', '.join(measured)} are measured on this machine." if measured else ".")
+          + (" A – among them: a seed of the row has no value of that column, so no mean over the row's seeds "
+             "exists (one over fewer seeds would pass for one over n)." if _gaps(summary, done[finite(done, mcol)], extras)
+             else ""))
 
 
-@dataclass
-class PairedTest:
-    """One table of the report's paired differences: every variant against the baseline on one metric of a task,
-    with each test's p-value adjusted (Holm) over the report's whole family of such tests."""
-
-    task: str
-    column: str
-    name: str
-    direction: str
-    table: pd.DataFrame  # paired_differences' columns, then p_holm and verdict_holm
-
-
-def holm_paired_verdict(verdict: str, p_holm: float) -> str:
-    """A better/worse whose Holm-adjusted p-value is not below 0.05 is withdrawn (inconclusive); others stand."""
-    if verdict not in ("better", "worse") or (math.isfinite(p_holm) and p_holm < ALPHA):
-        return verdict
-    return "inconclusive"
-
-
-def paired_family(results: SweepResults) -> list[PairedTest]:
-    """The paired tests of the report's main sections (each task's objective and, for language models, the
-    perplexity at twice the training length; every variant against the baseline), Holm-adjusted together: the
-    family is every test with a p-value (two or more pairs) in the report, so 'better' after Holm keeps the chance
-    of any false verdict among them at 5%, however many variants and metrics there are."""
-    tests = []
-    for task in results.tasks:
-        done = results.completed(task)
-        metric, direction = results.objective(task)
-        mcol, labels = metric_column(metric), results.labels_for(task)
-        targets = [(mcol, metric, direction)]
-        extra = at_2x_column(done)
-        if extra and extra != mcol and done[extra].notna().any():
-            targets.append((extra, metric_name(extra), results.declared(extra, task).direction))
-        tests += [PairedTest(task, col, name, dirn, paired_differences(done, col, results.baseline_label, labels,
-                                                                         dirn)) for col, name, dirn in targets]
-    adjusted = iter(holm_adjust([p for t in tests for p in t.table["p_value"]]))
-    for t in tests:
-        t.table["p_holm"] = [next(adjusted) for _ in range(len(t.table))]
-        t.table["verdict_holm"] = [holm_paired_verdict(v, p) for v, p in zip(t.table["verdict"], t.table["p_holm"])]
-    return tests
-
-
-def family_size(family: list[PairedTest]) -> int:
-    return int(sum(t.table["p_value"].notna().sum() for t in family))
+def _gaps(summary: pd.DataFrame, done: pd.DataFrame, extras: list[str]) -> bool:
+    """Whether a summary row leaves an extra column empty although some of its seeds have a value of it."""
+    return any(pd.isna(r.get(c)) and done.loc[done["label"] == r["label"], c].notna().any()
+               for _, r in summary.iterrows() for c in extras if c in done)
 
 
 def _p_text(p: float) -> str:
@@ -472,6 +438,22 @@ def _paired_ci_text(r) -> str:
 
 def _paired_p_text(r) -> str:
     return _p_text(r["p_value"]) + (" (exact sign-flip)" if _no_spread(r) else "")
+
+
+def _verdict_text(r, column: str = "verdict") -> str:
+    """A paired row's verdict cell: the verdict, and what diverged where the other side did not (left out of the
+    pairs, it is why a 'better' on the surviving seeds is withheld)."""
+    diverged = r.get("diverged")
+    return f"**{r[column]}**" + (f" ({diverged})" if isinstance(diverged, str) and diverged else "")
+
+
+def _divergence_note(doc: Doc, tables: list[pd.DataFrame]) -> None:
+    """Where one side diverged on a seed the other finished: why its verdict is not the pairs' alone."""
+    if not any(isinstance(d, str) and d for t in tables for d in t.get("diverged", [])):
+        return
+    doc.p("*Diverged*: a seed on which one side diverged and the other did not has no pair, yet it is a result "
+          "against the side that blew up: a variant that diverged there is never *better* on the seeds it survived, "
+          "nor is it *worse* where the baseline diverged (*inconclusive* instead, the verdict cell says which seeds).")
 
 
 def _no_spread_note(doc: Doc, tables: list[pd.DataFrame]) -> None:
@@ -506,11 +488,12 @@ def _paired_section(doc: Doc, results: SweepResults, task: str, metric: str, dir
         rows = []
         for _, r in t.table.iterrows():
             rows.append([r["label"], str(r["n_pairs"]) + (f" (seeds {r['seeds']})" if r["seeds"] else ""),
-                         fmt(r["diff"], "signed"), _paired_ci_text(r), _paired_p_text(r), f"**{r['verdict']}**",
-                         _p_text(r["p_holm"]), f"**{r['verdict_holm']}**"])
+                         fmt(r["diff"], "signed"), _paired_ci_text(r), _paired_p_text(r), _verdict_text(r),
+                         _p_text(r["p_holm"]), _verdict_text(r, "verdict_holm")])
         doc.table(["variant", "pairs", f"Δ {t.name}", "95% CI", "p (paired t)", "verdict (95%)",
                    "Holm-adjusted p", f"after Holm (family of {m})"], rows, align="lrrrrlrl")
     _no_spread_note(doc, [t.table for t in family if t.task == task])
+    _divergence_note(doc, [t.table for t in family if t.task == task])
 
 
 def _glue_tasks_section(doc: Doc, results: SweepResults, task: str, labels: list[str]) -> None:
@@ -544,15 +527,17 @@ def _glue_tasks_section(doc: Doc, results: SweepResults, task: str, labels: list
     paired, tables = [], []
     for name in names:
         score = f"metric.{name}/score"
-        tables.append(paired_differences(done, score, base, labels, results.declared(score, task).direction))
+        tables.append(paired_differences(results.finished(task), score, base, labels,
+                                         results.declared(score, task).direction))
         for _, r in tables[-1].iterrows():
             paired.append([name, r["label"], str(r["n_pairs"]), fmt(r["diff"], "signed"), _paired_ci_text(r),
-                           f"**{r['verdict']}**"])
+                           _verdict_text(r)])
     doc.p(f"Paired by {within[:-1]} seed against the baseline ({base}), task by task (each at 95%, no correction "
           "for the several tasks: `compare.md` sets the published effects beside these with a Holm-adjusted "
           "verdict):")
     doc.table(["task", "variant", "pairs", "Δ score", "95% CI", "verdict"], paired, align="llrrrl")
     _no_spread_note(doc, tables)
+    _divergence_note(doc, tables)
 
 
 def _earlier_stages_section(doc: Doc, results: SweepResults, task: str, labels: list[str]) -> None:

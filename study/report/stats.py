@@ -3,10 +3,11 @@ the baseline paired by seed, their paired t-test p-values (exact sign-flip p-val
 spread), Holm's correction for testing several effects at once, the smallest difference a set of seeds could have
 detected, and Pareto fronts.
 
-n = 1 gives no interval (reported as such, never as +-0); a paired difference whose interval
-contains zero is `inconclusive`, whatever its mean says. Paired differences with no spread (n identical
-differences: a discrete metric such as accuracy on a small dev set moves in steps) make the t-test degenerate
-(sd 0, p 0); they are tested with the exact sign-flip test instead, whose p is never below 2^(1-n).
+n = 1 gives no interval (reported as such, never as +-0), nor do n equal values (no spread); a paired difference
+whose interval contains zero is `inconclusive`, whatever its mean says, and so is one whose better side diverged on a
+seed where the other did not. Paired differences with no spread (n identical differences: a discrete metric such as
+accuracy on a small dev set moves in steps) make the t-test degenerate (sd 0, p 0); they are tested with the exact
+sign-flip test instead, whose p is never below 2^(1-n).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as _st
 
+DIRECTIONS = ("minimize", "maximize")  # the only declared directions: any other word is refused, never guessed
 CONFIDENCE = 0.95
 POWER = 0.80  # the conventional power of a minimum detectable difference (Cohen 1988's convention)
 ALPHA = 1 - CONFIDENCE
@@ -40,7 +42,8 @@ NO_SPREAD_WHY = ("where every pair differs by the same amount (a metric that mov
 
 @dataclass(frozen=True)
 class Interval:
-    """Mean of n values with a two-sided t interval (NaN bounds when n < 2)."""
+    """Mean of n values with a two-sided t interval (NaN bounds when n < 2, and when n >= 2 equal values have no
+    spread: sd 0)."""
 
     n: int
     mean: float
@@ -76,8 +79,8 @@ def no_spread(x: np.ndarray, scale: float | None = None) -> bool:
 
 
 def mean_ci(values, confidence: float = CONFIDENCE, scale: float | None = None) -> Interval:
-    """Mean and t interval of the finite values: mean +- t_{n-1} * sd / sqrt(n), sd with ddof=1. Values that agree
-    to within rounding (no_spread, relative to `scale`) have sd 0 exactly, not a last-bit remainder."""
+    """Mean and t interval of the finite values: mean +- t_{n-1} * sd / sqrt(n), sd with ddof=1. Two or more values
+    that agree to within rounding (no_spread, relative to `scale`) have sd 0 exactly and no interval (NaN bounds)."""
     x = np.asarray(pd.to_numeric(pd.Series(values, dtype=object), errors="coerce"), dtype=float)
     x = x[np.isfinite(x)]
     n = int(x.size)
@@ -86,9 +89,18 @@ def mean_ci(values, confidence: float = CONFIDENCE, scale: float | None = None) 
     mean = float(x.mean())
     if n == 1:
         return Interval(1, mean, math.nan, math.nan, math.nan, confidence)
-    sd = 0.0 if no_spread(x, scale) else float(x.std(ddof=1))
+    if no_spread(x, scale):
+        # n equal values: a zero-width interval would claim a certainty that n repeats of one value do not give
+        # (as paired_interval refuses one for equal differences): no interval, sd 0 (no_spread_text says so)
+        return Interval(n, mean, 0.0, math.nan, math.nan, confidence)
+    sd = float(x.std(ddof=1))
     half = t_critical(n, confidence) * sd / math.sqrt(n)
     return Interval(n, mean, sd, mean - half, mean + half, confidence)
+
+
+def no_spread_text(n: int) -> str:
+    """What a set of n >= 2 equal values shows in place of an interval (never '± 0')."""
+    return f"no spread ({n} equal values)"
 
 
 def finite(table: pd.DataFrame, col: str) -> pd.Series:
@@ -102,7 +114,8 @@ def summarize(table: pd.DataFrame, metric_col: str, by: str = "label", order: li
               extra: list[str] = ()) -> pd.DataFrame:
     """One row per variant: n (rows with a finite `metric_col`), n_rows (every row given: pass completed trials,
     so n_rows - n completed without a value), mean, sd, CI bounds of `metric_col`, and the mean of each `extra`
-    column over the same n rows, so that every number of a row describes one set of seeds."""
+    column over the same n rows, so that every number of a row describes one set of seeds (NaN where one of them has
+    no value of it: never a mean over fewer seeds beside the row's n)."""
     rows = []
     groups = dict(tuple(table.groupby(by, sort=False))) if len(table) else {}
     for key in (order if order is not None else list(groups)):
@@ -112,10 +125,16 @@ def summarize(table: pd.DataFrame, metric_col: str, by: str = "label", order: li
         row = {by: key, "n": ci.n, "n_rows": len(sub), "mean": ci.mean, "sd": ci.sd, "ci_lo": ci.lo,
                "ci_hi": ci.hi, "ci_half": ci.half_width}
         for col in extra:
-            row[col] = float(pd.to_numeric(valued[col], errors="coerce").mean()) \
-                if col in valued and len(valued) else math.nan
+            row[col] = _mean_of_all(valued[col]) if col in valued else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _mean_of_all(values: pd.Series) -> float:
+    """The mean of a summary row's extra column, only where every one of the row's n seeds has a finite value: a
+    mean over fewer would stand beside the row's n as if it were over all of them (NaN, shown empty, instead)."""
+    x = pd.to_numeric(values, errors="coerce").astype(float)
+    return float(x.mean()) if len(x) and bool(np.isfinite(x).all()) else math.nan
 
 
 @dataclass(frozen=True)
@@ -125,6 +144,12 @@ class PairedDifference:
     diff: Interval            # variant - baseline, paired by seed (no interval, sd 0, where they have no spread)
     seeds: tuple[int, ...]    # the seeds present (with a finite value) in both
     direction: str            # 'minimize' | 'maximize': which sign is an improvement
+    # Seeds on which one side diverged and the other did not: left out of the pairs, yet evidence against the side
+    # that blew up, so that side is never called the better one on the seeds it survived
+    variant_diverged: tuple[int, ...] = ()
+    baseline_diverged: tuple[int, ...] = ()
+    variant_finished: int = 0   # seeds the variant finished (a value or a divergence): the 'of n' of the note
+    baseline_finished: int = 0
 
     @property
     def no_spread(self) -> bool:
@@ -149,7 +174,27 @@ class PairedDifference:
         return minimum_detectable_difference(self.diff.sd, self.diff.n)
 
     @property
+    def divergence(self) -> str:
+        """'variant diverged on 1 of 4 seeds (the baseline did not)': what the pairs leave out; '' when neither side
+        diverged where the other did not."""
+        parts = [f"{side} diverged on {len(seeds)} of {finished} seed{'s' if finished != 1 else ''} (the {other} "
+                 "did not)" for side, other, seeds, finished in
+                 (("variant", "baseline", self.variant_diverged, self.variant_finished),
+                  ("baseline", "variant", self.baseline_diverged, self.baseline_finished)) if seeds]
+        return "; ".join(parts)
+
+    @property
     def verdict(self) -> str:
+        """The verdict of the pairs (pairs_verdict), except that a side which diverged on a seed where the other did
+        not is never the better one: a variant that blew up on a seed is not 'better' on the seeds it survived, nor
+        does a baseline's divergence make the variant 'worse' (inconclusive instead; `divergence` says why)."""
+        verdict = self.pairs_verdict
+        if (verdict == "better" and self.variant_diverged) or (verdict == "worse" and self.baseline_diverged):
+            return "inconclusive"
+        return verdict
+
+    @property
+    def pairs_verdict(self) -> str:
         """'better' / 'worse' than the baseline when the interval excludes zero, 'inconclusive' when it contains
         zero, 'no CI (n=1)' / 'no pairs' when it cannot be computed. With no spread there is no interval: the
         verdict follows the exact sign-flip p at ALPHA (n identical differences: better/worse from n = 6 on)."""
@@ -165,7 +210,15 @@ class PairedDifference:
             return "inconclusive"
         else:
             lower = self.diff.hi < 0
-        return "better" if lower == (self.direction == "minimize") else "worse"
+        return "better" if lower == lower_is_better(self.direction) else "worse"
+
+
+def lower_is_better(direction: str) -> bool:
+    """Whether a declared direction makes lower better; an unknown direction is an error: reading anything but
+    'minimize' as maximize would flip every verdict on a misspelt declaration ('min')."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction {direction!r} is not one of {', '.join(DIRECTIONS)}")
+    return direction == "minimize"
 
 
 def sign_flip_pvalue_no_spread(n: int, mean: float) -> float:
@@ -229,20 +282,29 @@ def minimum_detectable_difference(sd: float, n: int, alpha: float = ALPHA, power
 def paired_difference(table: pd.DataFrame, metric_col: str, variant: str, baseline: str,
                       direction: str = "minimize", by: str = "label") -> PairedDifference:
     """Mean over seeds of (variant - baseline), pairing trials that share a seed, with its t interval.
-    Seeds where either side has no finite value (failed, diverged, not run) are left out. Differences that agree
+    Seeds where either side has no finite value (failed, diverged, not run) are left out. Diverged trials in `table`
+    (status 'diverged': pass every finished trial) are named: a seed where one side diverged and the other did not
+    keeps the side that diverged from being called better (PairedDifference.verdict). Differences that agree
     to within rounding of the values they come from have no spread (see paired_interval)."""
-    def per_seed(label):
-        sub = table[(table[by] == label)]
-        if metric_col not in sub:
-            return {}
-        vals = pd.to_numeric(sub[metric_col], errors="coerce")
-        return {int(s): float(v) for s, v in zip(sub["seed"], vals) if pd.notna(s) and np.isfinite(v)}
-
-    a, b = per_seed(variant), per_seed(baseline)
+    (a, a_div), (b, b_div) = _per_seed(table, metric_col, variant, by), _per_seed(table, metric_col, baseline, by)
     seeds = tuple(sorted(set(a) & set(b)))
     diffs = [a[s] - b[s] for s in seeds]
     scale = max((max(abs(a[s]), abs(b[s])) for s in seeds), default=0.0)
-    return PairedDifference(variant, baseline, paired_interval(diffs, scale), seeds, direction)
+    return PairedDifference(variant, baseline, paired_interval(diffs, scale), seeds, direction,
+                            tuple(sorted(a_div - b_div)), tuple(sorted(b_div - a_div)), len(set(a) | a_div),
+                            len(set(b) | b_div))
+
+
+def _per_seed(table: pd.DataFrame, metric_col: str, label: str, by: str) -> tuple[dict[int, float], set[int]]:
+    """({seed: finite value} of the trials of `label` that did not diverge, {seeds on which it diverged})."""
+    sub = table[table[by] == label]
+    diverged = (sub["status"] == "diverged") if "status" in sub else pd.Series(False, index=sub.index)
+    div_seeds = {int(s) for s in sub.loc[diverged, "seed"] if pd.notna(s)}
+    if metric_col not in sub:
+        return {}, div_seeds
+    kept = sub[~diverged]
+    vals = pd.to_numeric(kept[metric_col], errors="coerce")
+    return {int(s): float(v) for s, v in zip(kept["seed"], vals) if pd.notna(s) and np.isfinite(v)}, div_seeds
 
 
 def paired_interval(diffs: list[float], scale: float) -> Interval:
@@ -259,7 +321,8 @@ def paired_interval(diffs: list[float], scale: float) -> Interval:
 def paired_differences(table: pd.DataFrame, metric_col: str, baseline: str, variants: list[str],
                        direction: str = "minimize", by: str = "label") -> pd.DataFrame:
     """One row per variant: its paired difference against the baseline, interval, p-value and the `test` behind it
-    (T_TEST, or NO_SPREAD_TEST where the differences have no spread and hence no interval), MDE and verdict."""
+    (T_TEST, or NO_SPREAD_TEST where the differences have no spread and hence no interval), MDE, verdict and what
+    diverged where the other side did not (`diverged`: PairedDifference.divergence, '' when nothing did)."""
     rows = []
     for v in variants:
         if v == baseline:
@@ -267,9 +330,9 @@ def paired_differences(table: pd.DataFrame, metric_col: str, baseline: str, vari
         d = paired_difference(table, metric_col, v, baseline, direction, by)
         rows.append({by: v, "n_pairs": d.diff.n, "diff": d.diff.mean, "ci_lo": d.diff.lo, "ci_hi": d.diff.hi,
                      "p_value": d.p_value, "test": d.test, "mde": d.mde, "verdict": d.verdict,
-                     "seeds": ",".join(map(str, d.seeds))})
+                     "seeds": ",".join(map(str, d.seeds)), "diverged": d.divergence})
     return pd.DataFrame(rows, columns=[by, "n_pairs", "diff", "ci_lo", "ci_hi", "p_value", "test", "mde", "verdict",
-                                       "seeds"])
+                                       "seeds", "diverged"])
 
 
 def pareto_front(x, y, x_better: str = "lower", y_better: str = "lower") -> np.ndarray:
