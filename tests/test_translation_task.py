@@ -251,6 +251,33 @@ def test_training_reduced_the_validation_loss(trained, data_root):
     assert train[0] > train[-1]
 
 
+def test_the_run_writes_the_validation_loss_a_tuning_may_choose_by(trained, data_root):
+    """valid_loss is the final model's mean token cross-entropy over the whole validation split, as validation
+    computes it: the objective a tuning may choose by, since BLEU and chrF are measured on the test sets."""
+    recorded = trained["metrics"]["metrics"]["valid_loss"]
+    assert math.isfinite(recorded) and recorded > 0
+    module, dm, _ = reload(trained, data_root)
+    assert recorded == pytest.approx(mean_validation_loss(module, dm), rel=1e-5)
+    assert trained["metrics"]["declared"]["valid_loss"]["split"] == "valid"
+    assert trained["metrics"]["declared"]["bleu"]["split"] == "test"
+
+
+def test_decoding_records_the_translations_cut_at_their_length_limit(trained, data_root):
+    """Beside the sources cut to the positions, each test set records how many translations ended because EOS was
+    forced at their length limit (and how many of those limits the position table lowered): cut translations."""
+    final = trained["metrics"]["metrics"]["test_sets"]
+    for split in TEST_SETS:
+        r = final[split]
+        assert 0 <= r["length_capped_by_positions"] <= r["hypotheses_at_length_limit"] <= r["sentences"]
+    # a limit of a * |src| + b = 1 token cuts every greedy translation: each reference has four words and a full
+    # stop (beam search may prefer an empty hypothesis the model chose to end, which is no cut)
+    module, dm, cfg = reload(trained, data_root)
+    module.cfg = cfg.replace(task=cfg.task.replace(max_len_a=0.0, max_len_b=1))
+    stats: dict = {}
+    module.translate(dm.corpus.sources("test_2016_flickr"), dm, beam_size=1, stats=stats)
+    assert (stats["hypotheses_at_length_limit"], stats["length_capped_by_positions"]) == (SIZES["test_2016_flickr"], 0)
+
+
 def test_a_finished_run_is_not_repeated(trained, data_root):
     from study.run import run_experiment
 

@@ -63,15 +63,31 @@ class _Decoder:
             self.cache.select_cross(sentences)
 
 
+def _requested_lengths(src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:
+    """a * |src| + b per sentence: the length limit the task asks for."""
+    src_len = src_mask.sum(1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1], device=src.device)
+    return (a * src_len.float() + b).long()
+
+
 def _max_lengths(model, src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:
     """a * |src| + b per sentence, capped so that the decoder never feeds a position it cannot embed: with
     learned positions (which do not extrapolate) BOS + max_len tokens must fit in max_seq_len."""
-    src_len = src_mask.sum(1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1], device=src.device)
-    max_len = (a * src_len.float() + b).long()
+    max_len = _requested_lengths(src_mask, src, a, b)
     cfg = getattr(model, "config", None)  # None: a stand-in model with no position table
     if cfg is not None and not POSITIONS[cfg.position].extrapolates:
         max_len = max_len.clamp(max=cfg.max_seq_len - 1)
     return max_len
+
+
+def _note_length_limits(stats: dict | None, forced: torch.Tensor, max_len: torch.Tensor, requested: torch.Tensor):
+    """Add to `stats` how many returned hypotheses ended because EOS was forced at their length limit (`forced`,
+    one flag a sentence) and how many of those limits the position cap lowered below a * |src| + b: a cut
+    translation lowers BLEU, and without these counts nothing would say why. Read once, after decoding."""
+    if stats is None:
+        return
+    at_limit, capped = torch.stack([forced.sum(), (forced & (max_len < requested)).sum()]).tolist()
+    stats["hypotheses_at_length_limit"] = stats.get("hypotheses_at_length_limit", 0) + at_limit
+    stats["length_capped_by_positions"] = stats.get("length_capped_by_positions", 0) + capped
 
 
 @torch.no_grad()
@@ -88,19 +104,26 @@ def greedy_decode(
 ) -> list[list[int]]:
     """Most probable next token at each step, up to a * |src| + b tokens (then EOS is forced, as in
     fairseq; with learned positions at most max_seq_len - 1 tokens); EOS is not returned. `stats`, when given,
-    receives `kv_cache_bytes`: the most bytes the KV cache held (the largest over calls sharing the dict)."""
+    receives `kv_cache_bytes`: the most bytes the KV cache held (the largest over calls sharing the dict), and adds
+    `hypotheses_at_length_limit`: outputs ended by the forced EOS where the model's argmax was another token, and
+    `length_capped_by_positions`: those of them whose limit the position cap lowered below a * |src| + b."""
     max_len = _max_lengths(model, src_mask, src, max_len_a, max_len_b)
+    limits = set(max_len.tolist())  # the steps at which some sentence's EOS is forced
     dec = _Decoder(model, model.encode(src, src_mask), src_mask, use_cache)
     prefix = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)
     done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
-    for t in range(int(max_len.max()) + 1):  # one extra step for the EOS
+    forced = torch.zeros_like(done)
+    for t in range(max(limits) + 1):  # one extra step for the EOS
         nxt = dec.step(prefix).argmax(-1)
+        if t in limits:  # only there: the other steps do no more work than before
+            forced |= ~done & (max_len == t) & (nxt != eos)
         nxt = torch.where(done | (t >= max_len), torch.full_like(nxt, eos), nxt)
         prefix = torch.cat([prefix, nxt[:, None]], dim=1)
         done |= nxt == eos
         if bool(done.all()):
             break
     _note_cache(dec, stats)
+    _note_length_limits(stats, forced, max_len, _requested_lengths(src_mask, src, max_len_a, max_len_b))
     out = []
     for row in prefix[:, 1:].tolist():
         out.append(row[: row.index(eos)] if eos in row else row)
@@ -117,7 +140,8 @@ def beam_search(
     model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, beam_size: int = 5, length_penalty: float = 1.0,
     max_len_a: float = 1.2, max_len_b: int = 10, use_cache: bool = True, stats: dict | None = None,
 ) -> list[list[int]]:
-    """Batched beam search on the KV cache (`stats`: as in greedy_decode). A sentence is finished once it holds
+    """Batched beam search on the KV cache (`stats`: as in greedy_decode; a returned hypothesis counts as ended at
+    its limit where the model's most probable token there was not EOS). A sentence is finished once it holds
     `beam_size` hypotheses ending in EOS (fairseq's stopping rule); after a * |src| + b
     tokens (capped as in greedy_decode) EOS is forced. Hypotheses are scored by the log-probability
     of their tokens and the EOS, length-normalised over both (GNMT, Wu et al. 2016, eq. 14); the best is
@@ -135,20 +159,25 @@ def beam_search(
     for t in range(steps):
         at_limit = t >= beams.max_len  # (m,) m: the sentences still searching
         rows_at_limit = at_limit.repeat_interleave(beams.scores.shape[1])  # (m*b,) b beams a sentence
-        best = _top_log_probs(dec.step(beams.prefix), 2 * k, rows_at_limit, eos)  # (m*b, 2k) x 2
-        searching = beams.advance(*best, finished, at_limit, t, eos)
+        logp, tokens, forced = _top_log_probs(dec.step(beams.prefix), 2 * k, rows_at_limit, eos)  # (m*b, 2k) x 2
+        searching = beams.advance(logp, tokens, finished, at_limit, t, eos, forced)
         if searching is None:
             break
         dec.reorder(*searching)
     _note_cache(dec, stats)
-    return finished.best()
+    slot = finished.best_slot()
+    _note_length_limits(stats, finished.forced.gather(1, slot)[:, 0] & (finished.count > 0), max_len,
+                        _requested_lengths(src_mask, src, max_len_a, max_len_b))
+    return finished.best(slot)
 
 
 def _top_log_probs(logits: torch.Tensor, k: int, at_limit: torch.Tensor, eos: int):
     """Each row's k most probable next tokens: log-probabilities (rows, k) float32 in descending order and token ids
-    (rows, k). A hypothesis at its length limit may only end now: its row holds EOS alone (the rest -inf). A
-    sentence's k best candidates are among the k best of each of its beams, so beam search adds the beam scores to
-    these (sentences, beams * k) values only, not to all (sentences, beams * V). On CPU one C++ pass over the logits
+    (rows, k); and (rows,) which rows are at their length limit with a token other than EOS most probable, whose EOS
+    is forced, not chosen (None when no row is at its limit: counted only there, so other steps cost nothing more).
+    A hypothesis at its length limit may only end now: its row holds EOS alone (the rest -inf). A sentence's k best
+    candidates are among the k best of each of its beams, so beam search adds the beam scores to these
+    (sentences, beams * k) values only, not to all (sentences, beams * V). On CPU one C++ pass over the logits
     computes them (study/axes/kernels/log_softmax_topk.cpp: log_softmax's formula, its sum in another order)."""
     k = min(k, logits.shape[-1])
     ops = eager_cpu_ops("log_softmax_topk", logits)
@@ -160,11 +189,11 @@ def _top_log_probs(logits: torch.Tensor, k: int, at_limit: torch.Tensor, eos: in
         values, tokens = logp.topk(k, dim=-1)
         eos_logp = logp[:, eos]
     if not bool(at_limit.any()):
-        return values, tokens
+        return values, tokens, None
     only_eos = torch.full_like(values, float("-inf"))
     only_eos[:, 0] = eos_logp
     return (torch.where(at_limit[:, None], only_eos, values),
-            torch.where(at_limit[:, None], torch.full_like(tokens, eos), tokens))
+            torch.where(at_limit[:, None], torch.full_like(tokens, eos), tokens), at_limit & (tokens[:, 0] != eos))
 
 
 class _Beams:
@@ -185,12 +214,13 @@ class _Beams:
         prefix = torch.full((n, 1), bos, dtype=torch.long, device=device)
         return cls(k, torch.arange(n, device=device), scores, prefix, max_len)
 
-    def advance(self, logp, token_ids, finished: "_Finished", at_limit, t: int, eos: int):
+    def advance(self, logp, token_ids, finished: "_Finished", at_limit, t: int, eos: int, forced=None):
         """One step of fairseq's rule on each sentence's 2k best candidates: an EOS among the k best finishes a
         hypothesis (until the sentence holds k); the first k other candidates continue. A sentence with k finished
         hypotheses, at its length limit, or with no candidate left is done and leaves the batch. Returns the
         decoder rows each new hypothesis continues (m'*k,) and the sentences kept (m',), in place (None when all
-        are), for _Decoder.reorder; None when every sentence is done."""
+        are), for _Decoder.reorder; None when every sentence is done. `forced` (m*b,): the rows whose EOS is forced
+        at the length limit (_top_log_probs), None when there are none."""
         (m, beams), k = self.scores.shape, self.k
         per_beam = logp.shape[-1]  # each beam's best next tokens: logp, token_ids (m*b, per_beam)
         cand = (self.scores[:, :, None] + logp.view(m, beams, per_beam)).view(m, beams * per_beam)
@@ -202,7 +232,7 @@ class _Beams:
         valid = top_scores > float("-inf")
         is_eos = tokens == eos
         ending = valid & is_eos & (torch.arange(top_ids.shape[1], device=cand.device) < k)
-        finished.add(self.sentence, ending, top_scores, self.prefix, rows, t)
+        finished.add(self.sentence, ending, top_scores, self.prefix, rows, t, forced)
         going_on = valid & ~is_eos
         kept = going_on & (going_on.cumsum(1) <= k)  # the first k candidates that do not end
         done = (finished.count[self.sentence] >= k) | at_limit | ~kept.any(1)  # (m,)
@@ -229,10 +259,12 @@ class _Finished:
         self.scores = torch.full((n, k), float("-inf"), dtype=torch.float64, device=device)  # (n, k)
         self.tokens = torch.full((n, k, steps), eos, dtype=torch.long, device=device)  # (n, k, steps)
         self.lengths = torch.zeros(n, k, dtype=torch.long, device=device)  # (n, k)
+        self.forced = torch.zeros(n, k, dtype=torch.bool, device=device)  # (n, k) ended by an EOS forced at the limit
 
-    def add(self, sentence, ending, top_scores, prefix, rows, t: int) -> None:
+    def add(self, sentence, ending, top_scores, prefix, rows, t: int, forced=None) -> None:
         """Store the candidates marked `ending` (m, 2k) in rank order, up to k per sentence; the hypothesis is
-        the prefix without BOS (t tokens), its score normalised over t + 1 tokens (with the EOS)."""
+        the prefix without BOS (t tokens), its score normalised over t + 1 tokens (with the EOS). `forced` (rows of
+        prefix,): whose EOS the length limit forced."""
         slot = self.count[sentence][:, None] + ending.cumsum(1) - 1  # (m, 2k)
         ending = ending & (slot < self.k)
         if not bool(ending.any()):
@@ -243,11 +275,17 @@ class _Finished:
         self.scores[which, where] = length_normalise(top_scores[ending].double(), t + 1, self.length_penalty)
         self.tokens[which, where, :t] = prefix.index_select(0, rows[ending])[:, 1:]
         self.lengths[which, where] = t
+        if forced is not None:
+            self.forced[which, where] = forced[rows[ending]]
         self.count.index_add_(0, sentence, ending.sum(1))
 
-    def best(self) -> list[list[int]]:
-        """Each sentence's best hypothesis (the first of equal scores, as Python's max), [] where none finished."""
-        best = self.scores.argmax(1, keepdim=True)  # (n, 1)
+    def best_slot(self) -> torch.Tensor:
+        """(n, 1) where each sentence's best hypothesis is (the first of equal scores, as Python's max)."""
+        return self.scores.argmax(1, keepdim=True)
+
+    def best(self, best: torch.Tensor | None = None) -> list[list[int]]:
+        """Each sentence's best hypothesis (at `best`: best_slot()), [] where none finished."""
+        best = self.best_slot() if best is None else best  # (n, 1)
         tokens = self.tokens.gather(1, best[:, :, None].expand(-1, -1, self.tokens.shape[2]))[:, 0]  # (n, steps)
         lengths = torch.where(self.count > 0, self.lengths.gather(1, best)[:, 0], 0)
         return [row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())]

@@ -381,6 +381,34 @@ def _tune_stage_problem(spec: SweepConfig, metric: str) -> str | None:
             f"rank by a metric of the {tuned} stage")
 
 
+def _tune_split_problem(plan: Plan) -> str | None:
+    """Tuning chooses each point's tuned value by the objective, and the point's seeds are then scored by it: an
+    objective measured on a test split would choose by the test set it reports on (a separate tuning seed does not
+    help, the test set is shared), so the choice would flatter the results. Such an objective is refused; the task
+    declares which split each metric is measured on (`MetricSpec.split`), so the message names what to use instead."""
+    from study.sweep.reach import objective_stage, stage_config
+    from study.tasks import family
+
+    metric, stages = plan.objective["metric"], plan.spec.stage_names
+    stage = objective_stage(metric, stages)
+    name = metric.split(".", 1)[1] if stage in stages[:-1] else metric  # an earlier stage's metric: STAGE.metric
+    cfg = stage_config(plan.points[0].config, stage)
+    task = family(cfg.task.name)
+    declared = task.metric(name)
+    if declared is None or declared.split_of(name) != "test":
+        return None
+    prefix = f"{stage}." if stage in stages[:-1] else ""
+    instead = [prefix + m for m in task.objectives_on("valid") if task.unwritten_metric(cfg, m) is None]
+    if instead:
+        use = (f"tune on a validation metric task {task.name!r} declares: objective: {{metric: {instead[0]}}}"
+               + (f" (or {', '.join(instead[1:])})" if instead[1:] else ""))
+    else:
+        use = f"task {task.name!r} declares no validation metric to tune on; drop tune"
+    return (f"objective: {metric} is measured on the test split (declared by task {task.name!r}), and tune would "
+            f"choose {plan.spec.tune['field']} by it: the seeds are then scored on that same test set, so the choice "
+            f"would flatter them; {use}")
+
+
 def _objective_at_every_point(plan: Plan) -> tuple[dict[str, Any], list[str]]:
     """The objective as the first point's task declares it, and what is wrong with it at any point: a metric that
     some points never write (`valid_ppl_at_2x` where an axis drops 2 from task.eval_lengths) would leave them
@@ -417,6 +445,8 @@ def _objective(plan: Plan) -> None:
         # the pruner compares the validation loss the trials log as they train: a loss, minimised
         plan.refused.append("tune.pruner: pruning judges the logged validation loss, so it needs an objective "
                             f"that is minimised; {plan.objective.get('metric')} is maximised")
+    if tune and problem is None and (split_problem := _tune_split_problem(plan)) is not None:
+        plan.refused.append(split_problem)
     if tune and plan.spec.stages and problem is None:
         if (stage_problem := _tune_stage_problem(plan.spec, plan.objective["metric"])) is not None:
             plan.refused.append(stage_problem)

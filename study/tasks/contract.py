@@ -3,8 +3,9 @@
 A task family (language modelling, translation, pretraining, GLUE) is one `TaskFamily` subclass. It declares
 
 - the metrics it writes (`MetricSpec`: name, direction, scale, what a constant predictor scores, whether it may rank
-  a sweep), and its default objective; the sweep refuses an objective the family does not declare, and reports read
-  directions and scales from the declarations written into every record, never from a metric's name;
+  a sweep, the data split it is measured on), and its default objective; the sweep refuses an objective the family
+  does not declare (and a tuning that would choose by a test-set metric), and reports read directions and scales
+  from the declarations written into every record, never from a metric's name;
 - the training curves it logs that are comparable across its variants (`curves`);
 - which config fields it reads, and which asked values it overrides (`unread_fields`, `overridden_fields`), so a
   sweep axis that would not reach the trained model is refused before training;
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from study.config import ExperimentConfig
 
 DIRECTIONS = ("minimize", "maximize")
+SPLITS = ("valid", "test")
+# `MetricSpec.split` of a pattern whose keys say their split in their first word (`valid_ppl_at_2x`, `test_ppl_at_2x`)
+SPLIT_FROM_NAME = "from name"
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,10 @@ class MetricSpec:
 
     `name` may hold a `*` for a family of keys (`valid_ppl_by_length.*`). `objective=False` marks counts and
     bookkeeping (tokens evaluated, examples) that must never rank a sweep. `cost=True` marks a cost the task
-    measures (decode time, the KV cache held): reports set it beside the quality metrics."""
+    measures (decode time, the KV cache held): reports set it beside the quality metrics. `split` is the data the
+    metric is measured on: 'valid' (which a sweep may tune on), 'test' (which must never choose what it then
+    scores), None for neither or not one split (costs, training-data counts), or SPLIT_FROM_NAME where the key's
+    first word says it (`split_of`)."""
 
     name: str
     direction: str
@@ -46,13 +53,31 @@ class MetricSpec:
     objective: bool = True
     description: str = ""
     cost: bool = False
+    split: str | None = None
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
             raise ValueError(f"metric {self.name!r}: direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if self.split not in (*SPLITS, SPLIT_FROM_NAME, None):
+            raise ValueError(f"metric {self.name!r}: split must be one of {SPLITS}, {SPLIT_FROM_NAME!r} or None, "
+                             f"got {self.split!r}")
 
     def matches(self, name: str) -> bool:
         return fnmatch.fnmatchcase(name, self.name)
+
+    def split_of(self, name: str) -> str | None:
+        """The split metric `name` (one this spec matches) is measured on: 'valid', 'test' or None."""
+        if self.split != SPLIT_FROM_NAME:
+            return self.split
+        head = name.split("_", 1)[0]
+        return head if head in SPLITS else None
+
+    def on_split(self, split: str) -> str | None:
+        """This spec's name as measured on `split` (a SPLIT_FROM_NAME pattern's `*` prefix replaced by it), or None
+        when it is measured on another split."""
+        if self.split == SPLIT_FROM_NAME and self.name.startswith("*_"):
+            return split + self.name[1:]
+        return self.name if self.split_of(self.name) == split else None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "name"}
@@ -107,6 +132,12 @@ class TaskFamily(abc.ABC):
         """The declaration of metric `name` (exact names first, then patterns), or None."""
         exact = [m for m in cls.metrics if m.name == name]
         return exact[0] if exact else next((m for m in cls.metrics if m.matches(name)), None)
+
+    @classmethod
+    def objectives_on(cls, split: str) -> list[str]:
+        """The objective metrics this family declares on `split` (a pattern keyed by split: its key for it)."""
+        names = (m.on_split(split) for m in cls.metrics if m.objective)
+        return [n for n in names if n is not None]
 
     @classmethod
     def declared(cls, part: bool = False) -> dict[str, dict[str, Any]]:

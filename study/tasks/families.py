@@ -10,7 +10,7 @@ family's Lightning module when a run needs it.
 from __future__ import annotations
 
 from study.config import ExperimentConfig
-from study.tasks.contract import MetricSpec, TaskFamily
+from study.tasks.contract import SPLIT_FROM_NAME, MetricSpec, TaskFamily
 
 _UNIFORM = "ln(vocabulary size) nats for a uniform prediction; the unigram entropy for the best constant one"
 
@@ -20,17 +20,22 @@ class LanguageModelling(TaskFamily):
 
     name = "lm"
     metrics = (
-        MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, description="validation cross-entropy"),
-        MetricSpec("valid_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
+        MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, description="validation cross-entropy",
+                   split="valid"),
+        MetricSpec("valid_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
+                   split="valid"),
         MetricSpec("test_loss", "minimize", "nats/token", _UNIFORM, description="written when the corpus has a test "
-                   "split (WikiText-2; not Tiny Shakespeare)"),
-        MetricSpec("test_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
+                   "split (WikiText-2; not Tiny Shakespeare)", split="test"),
+        MetricSpec("test_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction", split="test"),
+        # measured on the corpus's last split, which the key names: test on WikiText-2, valid on Tiny Shakespeare
         MetricSpec("*_ppl_by_length.*", "minimize", "perplexity",
                    "the vocabulary size for a uniform prediction", objective=False,
                    description="perplexity at each evaluation length (key: tokens) on the last split; 'n/a' where "
-                               "a position table cannot reach or the split holds no window of that length"),
+                               "a position table cannot reach or the split holds no window of that length",
+                   split=SPLIT_FROM_NAME),
         MetricSpec("*_ppl_at_2x", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
-                   description="perplexity at twice the training length (Press et al. 2022's extrapolation test)"),
+                   description="perplexity at twice the training length (Press et al. 2022's extrapolation test)",
+                   split=SPLIT_FROM_NAME),
     )
     default_objective = "valid_loss"
     reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "eval_lengths", "eval_tokens"})
@@ -62,24 +67,36 @@ class Translation(TaskFamily):
 
     name = "translation"
     metrics = (
+        MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, split="valid",
+                   description="mean token cross-entropy of the final model on the whole validation split (no label "
+                               "smoothing): the objective a tuning may choose by, as BLEU is measured on test sets"),
         MetricSpec("bleu", "maximize", "BLEU (0-100)", "about 0 (a constant sentence shares few n-grams)",
                    description="sacreBLEU on the first of task.test_sets, detokenized (13a); cased unless "
-                               "task.lowercase (the record's signature says which)"),
+                               "task.lowercase (the record's signature says which)", split="test"),
         MetricSpec("chrf", "maximize", "chrF (0-100)", "a few points (character n-grams of a constant sentence)",
-                   description="sacreBLEU's chrF on the first of task.test_sets; cased unless task.lowercase"),
-        MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0"),
-        MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points"),
+                   description="sacreBLEU's chrF on the first of task.test_sets; cased unless task.lowercase",
+                   split="test"),
+        MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0", split="test"),
+        MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points", split="test"),
         MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False, cost=True,
-                   description="wall time of beam-search decoding of the test set (a measured cost)"),
+                   description="wall time of beam-search decoding of the test set (a measured cost)", split="test"),
         MetricSpec("test_sets.*.kv_cache_peak_bytes", "minimize", "bytes", "-", objective=False, cost=True,
                    description="the most bytes the KV cache held while a batch of 100 sentences was beam-searched "
                                "(each hypothesis's self-attention K/V and each sentence's cross-attention K/V, shared "
-                               "by its hypotheses; measured from the cache's tensors)"),
-        MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False),
-        MetricSpec("test_sets.*.truncated_sources", "minimize", "count", "-", objective=False,
+                               "by its hypotheses; measured from the cache's tensors)", split="test"),
+        MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False, split="test"),
+        MetricSpec("test_sets.*.truncated_sources", "minimize", "count", "-", objective=False, split="test",
                    description="test sentences whose source was cut to the length the position scheme can address "
                                "(model.max_seq_len of a learned table; never for the other schemes): their "
                                "translations saw part of the source, which lowers BLEU"),
+        MetricSpec("test_sets.*.hypotheses_at_length_limit", "minimize", "count", "-", objective=False, split="test",
+                   description="translations that ended because decoding forced EOS at their length limit "
+                               "(task.max_len_a * |source| + task.max_len_b, or the position cap), not because the "
+                               "model chose to end: cut translations, which lower BLEU"),
+        MetricSpec("test_sets.*.length_capped_by_positions", "minimize", "count", "-", objective=False, split="test",
+                   description="of hypotheses_at_length_limit, those whose limit was lowered below "
+                               "task.max_len_a * |source| + task.max_len_b because a learned position table "
+                               "(model.max_seq_len - 1 target tokens) cannot address more"),
         MetricSpec("truncated_pairs.*", "minimize", "count", "-", objective=False,
                    description="train/valid sentence pairs with a side over task.seq_len tokens, cut to it (a cut "
                                "target gets no EOS, so the model is not taught to end sentences early)"),
@@ -103,19 +120,22 @@ class Pretraining(TaskFamily):
     metrics = (
         MetricSpec("valid_mlm_loss", "minimize", "nats/masked token", _UNIFORM,
                    description="MLM cross-entropy on the validation split in the model's own input format "
-                               "(segment pairs with NSP, full sentences without)"),
-        MetricSpec("valid_mlm_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction"),
+                               "(segment pairs with NSP, full sentences without)", split="valid"),
+        MetricSpec("valid_mlm_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
+                   split="valid"),
         MetricSpec("valid_mlm_loss_full_sentences", "minimize", "nats/masked token", _UNIFORM,
                    description="MLM cross-entropy on the validation text in the FULL-SENTENCES format: the same "
-                               "input for a model trained with NSP or without, so the one to compare across them"),
+                               "input for a model trained with NSP or without, so the one to compare across them",
+                   split="valid"),
         MetricSpec("valid_nsp_accuracy", "maximize", "fraction (0-1)",
                    "the majority label's share of the validation pairs (about 0.5)",
-                   description="next-sentence prediction accuracy (written with model.nsp only)"),
-        MetricSpec("valid_nsp_loss", "minimize", "nats/pair", "ln 2 = 0.693 for a constant 50/50 prediction"),
+                   description="next-sentence prediction accuracy (written with model.nsp only)", split="valid"),
+        MetricSpec("valid_nsp_loss", "minimize", "nats/pair", "ln 2 = 0.693 for a constant 50/50 prediction",
+                   split="valid"),
         MetricSpec("valid_masked_tokens", "maximize", "count", "-", objective=False,
-                   description="masked tokens evaluated (bookkeeping)"),
+                   description="masked tokens evaluated (bookkeeping)", split="valid"),
         MetricSpec("valid_nsp_pairs", "maximize", "count", "-", objective=False,
-                   description="sentence pairs evaluated (bookkeeping)"),
+                   description="sentence pairs evaluated (bookkeeping)", split="valid"),
     )
     default_objective = "valid_mlm_loss"
     # MLM loss is comparable across NSP on/off; the total loss (MLM + NSP) is not

@@ -146,19 +146,34 @@ class TranslationModule(StudyModule):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE), int((labels != IGNORE).sum())
 
     @torch.no_grad()
+    def split_validation_loss(self, dm: TranslationDataModule) -> float:
+        """Mean token cross-entropy (nats, no label smoothing) of the model over the whole validation split, as
+        `validation_loss` computes it per batch: the metric a tuning may choose by, since BLEU is measured on the
+        test sets its seeds are then scored on."""
+        self.model.eval()
+        total, tokens = 0.0, 0
+        for batch in dm.val_dataloader():
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            with self.precision_context():
+                loss, n = self.validation_loss(batch)
+            total, tokens = total + float(loss) * n, tokens + n
+        return total / max(tokens, 1)
+
+    @torch.no_grad()
     def translate(self, sentences: list[str], dm: TranslationDataModule, beam_size: int | None = None,
                   batch_size: int = 100, stats: dict | None = None) -> list[str]:
         """Detokenized translations, decoded in length-sorted batches; `stats` receives the largest KV cache a
-        batch held (`kv_cache_bytes`, measured from the cache's tensors) and how many sources were cut
-        (`truncated_sources`). A source is cut only where the position scheme cannot address it (a learned table
-        of model.max_seq_len rows), not at task.seq_len: a test sentence is translated whole, else BLEU would
-        score translations of part of it."""
+        batch held (`kv_cache_bytes`, measured from the cache's tensors), how many sources were cut
+        (`truncated_sources`), and how many translations ended at their length limit
+        (`hypotheses_at_length_limit`, `length_capped_by_positions`: see study.model.generate). A source is cut
+        only where the position scheme cannot address it (a learned table of model.max_seq_len rows), not at
+        task.seq_len: a test sentence is translated whole, else BLEU would score translations of part of it."""
         task = self.cfg.task
         beam = task.beam_size if beam_size is None else beam_size
         self.model.eval()
         ids, cut = decoder_sources(self.cfg, dm, sentences)
-        if stats is not None:
-            stats["truncated_sources"] = cut
+        if stats is not None:  # this call's counts, to which generate adds each batch's
+            stats.update(truncated_sources=cut, hypotheses_at_length_limit=0, length_capped_by_positions=0)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         out: list[list[int]] = [[] for _ in ids]
         with self.precision_context():
@@ -176,7 +191,9 @@ class TranslationModule(StudyModule):
         return dm.tgt_tok.decode_batch(out)
 
     def final_metrics(self, dm: TranslationDataModule) -> dict[str, Any]:
-        """sacreBLEU BLEU and chrF (detokenized, 13a; cased unless task.lowercase) on each test set, with signatures."""
+        """sacreBLEU BLEU and chrF (detokenized, 13a; cased unless task.lowercase) on each test set, with signatures,
+        and the validation loss (`valid_loss`)."""
+        valid_loss = self.split_validation_loss(dm)
         results: dict[str, Any] = {}
         for split in self.cfg.task.test_sets:
             refs = dm.corpus.targets(split)
@@ -196,9 +213,12 @@ class TranslationModule(StudyModule):
                 "kv_cache_peak_bytes": stats.get("kv_cache_bytes"),
                 "sentences": len(refs),
                 "truncated_sources": stats["truncated_sources"],
+                "hypotheses_at_length_limit": stats["hypotheses_at_length_limit"],
+                "length_capped_by_positions": stats["length_capped_by_positions"],
                 "examples": [{"source": s, "reference": r, "hypothesis": h}
                              for s, r, h in list(zip(dm.corpus.sources(split), refs, hyps))[:5]],
             }
         first = self.cfg.task.test_sets[0]
-        return {"bleu": results[first]["bleu"], "chrf": results[first]["chrf"], "test_sets": results,
+        return {"valid_loss": valid_loss, "bleu": results[first]["bleu"], "chrf": results[first]["chrf"],
+                "test_sets": results,
                 "truncated_pairs": dict(dm.truncated)}

@@ -55,16 +55,18 @@ class Glue(TaskFamily):
 
     name = "glue"
     suite = True
+    # GLUE's test labels are not public: every quality metric is on a dev split, which is its validation split
     metrics = (
         MetricSpec("glue_score", "maximize", "0-100",
                    "39.1 over SST-2, CoLA, MRPC, STS-B, RTE, WNLI for the training majority class",
                    description="unweighted mean of the task scores of the tasks run (glue_score_tasks); the "
-                               "benchmark's GLUE score only when all nine ran (glue_score_complete)"),
+                               "benchmark's GLUE score only when all nine ran (glue_score_complete)", split="valid"),
         MetricSpec("*_std", "minimize", "0-100 (sample sd over fine-tuning seeds)", "-", objective=False,
                    description="spread over the fine-tuning seeds; null for one seed"),
         MetricSpec("*/score", "maximize", "0-100", _METRIC_CONSTANTS,
-                   description="the task's score: mean of its metrics (mean over fine-tuning seeds)"),
-        *(MetricSpec(f"*/{m}", "maximize", "0-100", _METRIC_CONSTANTS, description=f"dev {m}, mean over seeds")
+                   description="the task's score: mean of its metrics (mean over fine-tuning seeds)", split="valid"),
+        *(MetricSpec(f"*/{m}", "maximize", "0-100", _METRIC_CONSTANTS, description=f"dev {m}, mean over seeds",
+                     split="valid")
           for m in ("accuracy", "f1", "mcc", "pearson", "spearman", "accuracy_m", "accuracy_mm")),
     )
     default_objective = "glue_score"
@@ -73,10 +75,11 @@ class Glue(TaskFamily):
     unread_train_fields = frozenset({"label_smoothing"})
     # the metrics of one part (task, seed) of the suite
     part_metrics = (
-        MetricSpec("score", "maximize", "0-100", _METRIC_CONSTANTS),
-        *(MetricSpec(m, "maximize", "0-100", _METRIC_CONSTANTS)
+        MetricSpec("score", "maximize", "0-100", _METRIC_CONSTANTS, split="valid"),
+        *(MetricSpec(m, "maximize", "0-100", _METRIC_CONSTANTS, split="valid")
           for m in ("accuracy", "f1", "mcc", "pearson", "spearman", "accuracy_m", "accuracy_mm")),
-        MetricSpec("dev.*", "maximize", "0-100", _METRIC_CONSTANTS, description="each dev split's metrics"),
+        MetricSpec("dev.*", "maximize", "0-100", _METRIC_CONSTANTS, description="each dev split's metrics",
+                   split="valid"),
         MetricSpec("n_train", "maximize", "count", "-", objective=False),
         MetricSpec("n_dev.*", "maximize", "count", "-", objective=False),
     )
