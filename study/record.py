@@ -117,6 +117,12 @@ class RunDir:
         return frame if frame is not None and "step" in frame and not frame.empty else None
 
 
+def stopped_by_any(records: list[dict[str, Any]]) -> str | None:
+    """A record made of several runs (a suite's parts, a pipeline's stages) ran short where any of them did: 'time'
+    when a time budget ended any of them before its max_steps."""
+    return "time" if any(r.get("stopped_by") == "time" for r in records) else None
+
+
 def started_from(init_from: str | Path) -> dict[str, str]:
     """What a run that starts from another's weights records in its data.json: the run it started from and the
     digest of the model.pt it read there. The run layer compares the digests with the model.pt there now

@@ -250,3 +250,21 @@ def test_weight_averaging_is_refused_where_the_weights_are_bf16():
     with pytest.raises(ConfigError, match="ema_decay: cannot average weights kept in bf16"):
         TrainConfig(ema_decay=0.999, precision="bf16-true")
     assert TrainConfig(ema_decay=0.999, precision="bf16-mixed").ema_decay == 0.999
+
+
+@pytest.mark.parametrize(("task", "window", "longest"), [
+    ({"name": "pretrain", "dataset": "wikitext-2", "seq_len": 128, "vocab_size": 8000}, 128, 128),
+    ({"name": "lm", "dataset": "tinyshakespeare", "seq_len": 64, "eval_lengths": [1, 2]}, 200, 128),
+    ({"name": "translation", "dataset": "multi30k", "seq_len": 62, "vocab_size": 8000}, 64, 64),
+])
+def test_a_window_that_spans_every_sequence_the_task_runs_is_refused_naming_model_window(task, window, longest):
+    """It would mask nothing: the run would be global attention labelled local (a preset's 4,096-token window at
+    seq_len 128). Language modelling counts its longest evaluation; translation a sentence's BOS and EOS."""
+    from study.config import ExperimentConfig
+
+    arch = {"pretrain": "encoder", "lm": "decoder", "translation": "encoder-decoder"}[task["name"]]
+    model = {"arch": arch, "position": "rope", "window": window, "objective": "mlm" if arch == "encoder" else None}
+    model = {k: v for k, v in model.items() if v is not None}
+    with pytest.raises(ConfigError, match=rf"model\.window: {window} spans every sequence .*at most {longest} tokens"):
+        ExperimentConfig.from_dict({"model": model, "task": task})
+    ExperimentConfig.from_dict({"model": {**model, "window": longest - 1}, "task": task})  # one shorter bites

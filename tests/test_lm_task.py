@@ -447,9 +447,16 @@ def test_exact_resume_after_a_kill(main_run, corpus, monkeypatch):
     assert torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
     killed_rows = read_csv(d / "logs" / "metrics.csv")
     assert max(int(r["step"]) for r in killed_rows) == 8  # the attempt logged steps past the checkpoint
+    # the run's cost counts its earlier attempt up to the checkpoint (made large here, so that it shows)
+    ckpt = torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["study"]["fit_seconds"] > 0
+    ckpt["study"]["fit_seconds"] = 1000.0
+    torch.save(ckpt, d / "checkpoints" / "last.ckpt")
 
     m = run(corpus, cfg, "resumed")  # same config, same directory: resumes from step 6
     assert m["status"] == "completed" and m["steps"] == 12
+    assert 1000.0 < m["cost"]["fit_seconds"] < 1000.0 + 10 * main_run["metrics"]["cost"]["fit_seconds"]
+    assert m["cost"]["wall_seconds"] > m["cost"]["fit_seconds"]
     ref = main_run["metrics"]
     assert m["metrics"] == ref["metrics"]
     assert m["train_tokens"] == ref["train_tokens"]

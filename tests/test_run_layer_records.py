@@ -88,6 +88,18 @@ def test_a_pipeline_stopped_by_a_diverged_stage_counts_the_time_of_every_stage_t
                               "pretrain": pre["cost"], "glue": glue["cost"]}
 
 
+def test_a_pipeline_or_suite_with_a_part_its_time_budget_cut_short_says_so():
+    """A reader of the top-level row must see that a stage (or a suite's part) ended at its time budget."""
+    from study.record import COMPLETED, make_record, stopped_by_any
+    from study.run.pipeline import _pipeline_record
+
+    pre = make_record(COMPLETED, {"valid_mlm_loss": 4.0}, {"parameters": 10}, steps=3, stopped_by="time")
+    glue = make_record(COMPLETED, {"glue_score": 50.0}, {"parameters": 9}, steps=2)
+    record = _pipeline_record(pipeline(), {"pretrain": (Path("pre"), pre), "glue": (Path("glue"), glue)}, wall=1.0)
+    assert record["stopped_by"] == "time" and record["stages"]["pretrain"]["stopped_by"] == "time"
+    assert stopped_by_any([glue, glue]) is None and stopped_by_any([glue, pre]) == "time"
+
+
 # -- reuse on other data: the rule of a plain run ----------------------------------------------------------------
 
 def test_shared_stages_and_suite_parts_meet_other_data_as_a_plain_run_does(data, tmp_path, monkeypatch):

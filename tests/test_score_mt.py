@@ -47,6 +47,21 @@ def test_a_local_checkpoint_is_scored_with_sacrebleu_and_its_signature(tiny_bart
     assert result["bleu"] == pytest.approx(expected)
     assert result["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert result["chrf_signature"].startswith("nrefs:1|case:mixed")
+    # a random model rarely ends a sentence within 8 tokens: its outputs are stopped there, and counted
+    assert result["max_new_tokens"] == 8 and result["outputs_at_max_new_tokens"] >= 5
+    assert result["truncated_sources"] == 0
+
+
+def test_sources_over_the_tokenizers_limit_are_counted_as_cut(tiny_bart):
+    import transformers
+
+    from study.tasks.score_mt import translate
+
+    net = transformers.AutoModelForSeq2SeqLM.from_pretrained(tiny_bart).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_bart, model_max_length=6)
+    _, cuts = translate(net, tokenizer, ["Ein Mann geht nach Hause, und die Katze schläft.", "Ein"], beam_size=1,
+                        max_new_tokens=4)
+    assert cuts["truncated_sources"] == 1
 
 
 def test_an_unloadable_model_is_a_clear_error_naming_both_ways_to_give_one(tmp_path):

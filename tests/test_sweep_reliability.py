@@ -284,3 +284,21 @@ def test_after_an_outage_a_running_trial_gets_its_grace_period_anew_before_it_ca
     assert other.reap_lost() == 0 and owner.still_mine(claimed)
     other.storage.recovered_at = time.time() - 6  # back for longer than grace_s, and still no heartbeat: lost
     assert other.reap_lost() == 1 and not owner.still_mine(claimed)
+
+
+def test_a_stopping_process_waits_out_an_outage_for_at_most_the_time_it_was_given():
+    """A worker giving its trial back after Ctrl-C (and `study sweep` counting the queue) ignores further signals:
+    an unreachable storage is waited for the give-back's few seconds, not the worker's whole --storage-retry-s."""
+    from sqlalchemy.exc import OperationalError
+
+    from study.sweep.storage import StorageError, retrying, retrying_at_most
+
+    class Unreachable:
+        def get_all_studies(self):
+            raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+
+    storage = retrying(Unreachable(), 300.0, "postgresql://db/sweeps")
+    started = time.time()
+    with pytest.raises(StorageError), retrying_at_most(storage, 1.0):
+        storage.get_all_studies()
+    assert time.time() - started < 5 and storage.retry_s == 300.0

@@ -77,6 +77,21 @@ class ExperimentConfig(Config):
             p.check(longest <= limit, "task.seq_len",
                     f"{t.seq_len} (+ special tokens) exceeds model.max_seq_len={m.max_seq_len}, the length "
                     f"{m.position} positions can address; raise model.max_seq_len or shorten task.seq_len")
+        self._validate_window(p)
+
+    def _validate_window(self, p: Problems) -> None:
+        """A sliding window must be shorter than the longest sequence the task trains or evaluates on: a window that
+        spans every sequence masks nothing, so its run would be global attention reported as local (a preset's
+        4,096-token window at seq_len 128, or a swept window that never bites)."""
+        m, t = self.model, self.task
+        if m.window is None:
+            return
+        longest = t.seq_len + (2 if t.name == "translation" else 0)  # BOS/EOS around a sentence
+        if t.name == "lm":  # language modelling also evaluates at multiples of seq_len (task.eval_lengths)
+            longest = t.seq_len * max(t.eval_lengths, default=1)
+        p.check(m.window < longest, "model.window",
+                f"{m.window} spans every sequence this task runs (at most {longest} tokens), so it masks nothing and "
+                f"every layer attends globally; choose a window below {longest}, or model.window: null")
 
     def with_seed(self, seed: int) -> "ExperimentConfig":
         return self.replace(train=self.train.replace(seed=seed))

@@ -30,7 +30,7 @@ from study.config import ConfigError, PipelineConfig, content_hash
 from study.config.pipeline import stage_ref
 from study.io import atomic_write_json, atomic_write_text, exclusive_lock
 from study.model.precision import resolve_precision
-from study.record import COMPLETED, RunDir, extras, make_record, stage_run_dirs
+from study.record import COMPLETED, RunDir, extras, make_record, stage_run_dirs, stopped_by_any
 from study.run.conflict import finished_run, handed_back
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, A
     costs = {name: ran[name][1].get("cost") or {} for name in names}
     cost = {**{k: v for k, v in costs[names[-1]].items() if k not in TIME_COSTS and k != "wall_seconds"},
             **summed_times(list(costs.values())), "wall_seconds": wall, **costs}
-    stages = {n: {"run_dir": str(d), "status": r["status"], "steps": r.get("steps"),
+    stages = {n: {"run_dir": str(d), "status": r["status"], "steps": r.get("steps"), "stopped_by": r.get("stopped_by"),
                   "diverged_at_step": r.get("diverged_at_step"), "seed": cfg.stages[n].train.seed}
               for n, (d, r) in ran.items()}
     diverged = next((n for n, (_, r) in ran.items() if r["status"] != COMPLETED), None)
@@ -191,5 +191,5 @@ def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, A
                        steps=sum(int(r.get("steps") or 0) for _, r in ran.values()),
                        train_tokens=sum(int(r.get("train_tokens") or 0) for _, r in ran.values()),
                        diverged_at_step=ran[diverged][1].get("diverged_at_step") if diverged else None,
-                       declared=declared, **{**(extras(last) if complete else {}), "stages": stages,
-                                             "diverged_in_stage": diverged})
+                       stopped_by=stopped_by_any([r for _, r in ran.values()]), declared=declared,
+                       **{**(extras(last) if complete else {}), "stages": stages, "diverged_in_stage": diverged})

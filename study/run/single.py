@@ -271,9 +271,8 @@ def run_single(
     module = family_.implementation()[1](cfg)
     reset_peak_memory(cfg.train.accelerator)  # this run's peak, not an earlier part's or stage's in this process
     trainer = _trainer(run, cfg, _loggers(run, cfg, resume_from))
-    fit_started = time.time()
     _fit(trainer, module, dm, resume_from)
-    fit_seconds = time.time() - fit_started
+    fit_seconds = module.fit_seconds()  # a resumed run's earlier attempts included (up to its checkpoint)
 
     final: dict[str, Any] = {}
     eval_started = time.time()
@@ -285,7 +284,7 @@ def run_single(
     if trainer.is_global_zero:
         atomic_write(run.weights, lambda p: torch.save(module.model.state_dict(), p))
     timing = {"fit_seconds": fit_seconds, "final_eval_seconds": time.time() - eval_started,
-              "wall_seconds": time.time() - started}
+              "wall_seconds": time.time() - started + module.fit_seconds_before}
     record = _record(cfg, trainer, module, final, timing, declared)
     if trainer.is_global_zero:
         run.write(record)

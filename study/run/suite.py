@@ -20,7 +20,7 @@ from typing import Any
 from study.config import ExperimentConfig
 from study.io import atomic_write_json, atomic_write_text, read_json_or_none
 from study.model.accounting import parameter_count
-from study.record import COMPLETED, COSTS, DIVERGED, RunDir, make_record
+from study.record import COMPLETED, COSTS, DIVERGED, RunDir, make_record, stopped_by_any
 from study.run.conflict import finished_run, handed_back
 from study.run.single import discard_result, launch_rank, replaced_start, run_single
 from study.tasks import family
@@ -87,5 +87,5 @@ def _combined_record(cfg: ExperimentConfig, task, results: dict[str, dict[str, A
             **summed_times([r.get("cost") or {} for r in ran]), "wall_seconds": wall}
     return make_record(DIVERGED if diverged else COMPLETED, task.combine(cfg, results), cost,
                        steps=sum(int(r.get("steps") or 0) for r in ran),
-                       train_tokens=sum(int(r.get("train_tokens") or 0) for r in ran),
+                       train_tokens=sum(int(r.get("train_tokens") or 0) for r in ran), stopped_by=stopped_by_any(ran),
                        declared=task.declared(), **task.suite_details(cfg, results), **task.record_extras(cfg))

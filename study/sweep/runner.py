@@ -24,7 +24,8 @@ from study.interrupts import Terminated, shielded
 from study.io import atomic_write_json, atomic_write_text, read_json
 from study.sweep import plan as planning
 from study.sweep.estimate import default_threads, estimate
-from study.sweep.storage import DEFAULT_RETRY_S, default_url, open_storage, redact, validate_url
+from study.sweep.storage import (DEFAULT_RETRY_S, StorageError, default_url, open_storage, redact, retrying_at_most,
+                                  validate_url)
 from study.sweep.devices import assign, claim, gpus_per_trial, visible_gpus
 from study.sweep.trial import DEFAULT_RUNNER
 from study.sweep.layout import (SweepLayout, all_keys, check_storage, finished_results, read_tuned, record_storage,
@@ -133,11 +134,16 @@ def _run_workers(queue, layout: SweepLayout, url: str, plan_data: dict[str, Any]
             run_worker_processes(layout, url, workers, wopts, gpus)
     except (KeyboardInterrupt, Terminated) as stop:  # Ctrl-C, or SIGTERM (`kill`, a batch scheduler)
         keys = all_keys(plan_data)
-        counts = queue.counts(keys)
+        try:  # later signals are ignored now: an unreachable storage is waited for briefly, not for its retry time
+            with retrying_at_most(queue.storage, GIVE_BACK_S):
+                counts = queue.counts(keys)
+        except StorageError:
+            counts = None
         _record_invocation(layout, started, workers, threads, counts, interrupted=True)
+        done = f"{counts['done']}/{len(keys)}" if counts else f"?/{len(keys)} (the storage is unreachable)"
         raise SweepInterrupted(f"{'interrupted' if isinstance(stop, KeyboardInterrupt) else 'terminated'}: "
-                               f"{counts['done']}/{len(keys)} trials done; the running ones were stopped and given "
-                               "back to the queue. Run the same command again to resume.",
+                               f"{done} trials done; the running ones were stopped and given back to the queue. "
+                               "Run the same command again to resume.",
                                130 if isinstance(stop, KeyboardInterrupt) else stop.code) from None
     finally:
         claims.release()
@@ -153,7 +159,7 @@ class SweepInterrupted(Exception):
 
 
 def _record_invocation(layout: SweepLayout, started: float, workers: int, threads: int,
-                       counts: dict[str, int], interrupted: bool = False) -> None:
+                       counts: dict[str, int] | None, interrupted: bool = False) -> None:
     """Append this invocation (when, how many workers, how long, the counts after it) to
     results/<sweep>/invocations.json: the sweep's wall-clock cost is measured, not guessed."""
     import socket

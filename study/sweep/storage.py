@@ -25,6 +25,7 @@ not the sweep.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -232,6 +233,21 @@ def _forward(method: str):
 RetryingStorage = type("RetryingStorage", (_RetryingCalls,),
                        {"__module__": __name__, **{name: _forward(name) for name, value in vars(BaseStorage).items()
                                                    if callable(value) and not name.startswith("_")}})
+
+
+@contextlib.contextmanager
+def retrying_at_most(storage: BaseStorage, seconds: float):
+    """Within the block, `storage` (one `retrying` made) waits out an outage for at most `seconds`: a process that
+    is stopping (Ctrl-C) gives its trial back, or counts the queue, briefly or not at all, rather than ignoring the
+    user for the full retry time. Other storages are left as they are."""
+    saved = storage.retry_s if isinstance(storage, _RetryingCalls) else None
+    if saved is not None:
+        storage.retry_s = min(saved, seconds)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            storage.retry_s = saved
 
 
 def retrying(storage: BaseStorage, retry_s: float, url: str) -> BaseStorage:

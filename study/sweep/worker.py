@@ -37,7 +37,7 @@ from study.record import RunDir, metric_value
 from study.sweep import tuning
 from study.sweep.layout import SweepLayout, all_keys, check_storage, read_tuned, trial_specs, tuning_id
 from study.sweep.queue import Claimed, TrialQueue, TrialSpec
-from study.sweep.storage import DEFAULT_RETRY_S, StorageError, open_storage, retrying
+from study.sweep.storage import DEFAULT_RETRY_S, StorageError, open_storage, retrying, retrying_at_most
 from study.sweep.trial import DEFAULT_RUNNER
 from study.sweep.zygote import Zygote, die_with_parent, kill_group
 
@@ -326,7 +326,7 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
 def _interrupted(queue: TrialQueue, claimed: Claimed, attempt: Attempt | None, sweep: str) -> None:
     """The worker was interrupted during this attempt: the trial goes back to the queue (first, and within
     GIVE_BACK_S of an unreachable storage: the worker is stopping), then its record says so."""
-    with contextlib.suppress(StorageError), _retrying_at_most(queue, GIVE_BACK_S):
+    with contextlib.suppress(StorageError), retrying_at_most(queue.storage, GIVE_BACK_S):
         queue.release(claimed, "worker interrupted")
         if attempt is not None:
             attempt.tell_failed()
@@ -335,20 +335,6 @@ def _interrupted(queue: TrialQueue, claimed: Claimed, attempt: Attempt | None, s
             attempt.write(sweep, ended=time.time(), outcome="interrupted")
         except OSError as err:  # (a full disk): the interrupt, not this, is what the worker stops with
             log.warning("%s: could not record the interrupted attempt: %s", queue.worker, err)
-
-
-@contextlib.contextmanager
-def _retrying_at_most(queue: TrialQueue, seconds: float):
-    """The queue's storage calls retry an outage for at most `seconds` within the block (see storage.retrying)."""
-    storage = queue.storage
-    saved = getattr(storage, "retry_s", None)
-    if saved is not None:
-        storage.retry_s = min(saved, seconds)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            storage.retry_s = saved
 
 
 def _start_failed(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,

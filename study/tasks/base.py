@@ -178,6 +178,9 @@ class StudyModule(L.LightningModule):
         self._checkpoint_started: float | None = None  # a checkpoint written in this step began then
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
+        # fit seconds of the earlier attempts of a resumed run, up to the checkpoint it resumed from (in the
+        # checkpoint), and when this attempt's fit began: a preempted run's cost is the whole run's, not its last part's
+        self.fit_seconds_before, self._fit_started = 0.0, time.time()
         self.step_logs: dict[str, Any] = {}  # this step's training values, logged in on_train_batch_end
         self._step_means: dict[str, Any] = {}  # the optimizer step's values so far, over its micro-batches
         self._rng_restored = False  # this rank's random stream came from a checkpoint (on_load_checkpoint)
@@ -368,6 +371,7 @@ class StudyModule(L.LightningModule):
             "divergence": dataclasses.asdict(self.divergence) if self.divergence else None,
             "initial_loss": self.ledger.initial,
             "warmup_end_s": self.schedule.warmup_end_s,
+            "fit_seconds": self.fit_seconds(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -387,11 +391,21 @@ class StudyModule(L.LightningModule):
         self.ledger.initial = state.get("initial_loss")
         # (a checkpoint written before the key existed decayed by time from time zero: it goes on doing so)
         self.schedule.warmup_end_s = state.get("warmup_end_s", 0.0)
+        self.fit_seconds_before = state.get("fit_seconds", 0.0)  # (0 for a checkpoint written before the key)
 
     def on_train_end(self) -> None:
         self.settle()  # the steps after the last logging step (a run stopped between them)
 
     # --- measurements ---------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        self._fit_started = time.time()
+
+    def fit_seconds(self) -> float:
+        """Seconds of training (Lightning's fit) this run has cost up to now, over every attempt of a resumed run:
+        the earlier attempts' up to the checkpoint it resumed from, and this attempt's. (Work an attempt did after
+        its last checkpoint was done again, so it is not counted twice.)"""
+        return self.fit_seconds_before + (time.time() - self._fit_started)
+
     def throughput(self, skip: int = 5) -> float | None:
         """Training tokens per second over the timed steps, skipping warm-up steps."""
         counted = len(self.step_tokens)  # the steps before a divergence, read from the ledger

@@ -42,13 +42,25 @@ def load_hf_translator(model: str, device: str = "cpu"):
 
 @torch.no_grad()
 def translate(net, tokenizer, sources: list[str], beam_size: int = 4, batch_size: int = 16,
-              max_new_tokens: int = 256, device: str = "cpu") -> list[str]:
-    out: list[str] = []
+              max_new_tokens: int = 256, device: str = "cpu") -> tuple[list[str], dict[str, int]]:
+    """The translations, and how many were cut: sources longer than the tokenizer's model_max_length (the model
+    saw their start only) and outputs that ran to max_new_tokens. A cut lowers BLEU; without the counts nothing
+    would say why."""
+    out, cuts = [], {"truncated_sources": 0, "outputs_at_max_new_tokens": 0}
+    eos = net.generation_config.eos_token_id
+    eos = torch.tensor(eos if isinstance(eos, list) else [eos], device=device)
     for i in range(0, len(sources), batch_size):
-        batch = tokenizer(sources[i:i + batch_size], return_tensors="pt", padding=True, truncation=True).to(device)
+        chunk = sources[i:i + batch_size]
+        lengths = [len(ids) for ids in tokenizer(chunk)["input_ids"]]
+        cuts["truncated_sources"] += sum(n > tokenizer.model_max_length for n in lengths)
+        batch = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True).to(device)
         generated = net.generate(**batch, num_beams=beam_size, max_new_tokens=max_new_tokens)
+        new = generated[:, 1:]  # after the decoder's start token
+        if new.shape[1] >= max_new_tokens:  # a row that did not end before its last token reached the limit (an EOS
+            # there may be forced: BART's and Marian's configs set forced_eos_token_id)
+            cuts["outputs_at_max_new_tokens"] += int((~torch.isin(new[:, :max_new_tokens - 1], eos).any(1)).sum())
         out += tokenizer.batch_decode(generated, skip_special_tokens=True)
-    return out
+    return out, cuts
 
 
 def score_newstest2014(model: str, src: str = "de", tgt: str = "en", data_dir: str | None = None,
@@ -61,7 +73,7 @@ def score_newstest2014(model: str, src: str = "de", tgt: str = "en", data_dir: s
     references = [p[1] for p in pairs]
     net, tokenizer = load_hf_translator(model, device)
     started = time.time()
-    hypotheses = translate(net, tokenizer, sources, beam_size, batch_size, max_new_tokens, device)
+    hypotheses, cuts = translate(net, tokenizer, sources, beam_size, batch_size, max_new_tokens, device)
     seconds = time.time() - started
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
     return {
@@ -69,7 +81,8 @@ def score_newstest2014(model: str, src: str = "de", tgt: str = "en", data_dir: s
         "complete": limit is None or limit >= len(corpus.splits["test"]),
         "bleu": bleu.corpus_score(hypotheses, [references]).score, "bleu_signature": str(bleu.get_signature()),
         "chrf": chrf.corpus_score(hypotheses, [references]).score, "chrf_signature": str(chrf.get_signature()),
-        "beam_size": beam_size, "decode_seconds": seconds, "data": corpus.fingerprint,
+        "beam_size": beam_size, "max_new_tokens": max_new_tokens, **cuts, "decode_seconds": seconds,
+        "data": corpus.fingerprint,
         "examples": [{"source": s, "reference": r, "hypothesis": h}
                      for s, r, h in list(zip(sources, references, hypotheses))[:5]],
         "hypotheses": hypotheses,
