@@ -202,17 +202,9 @@ def test_the_seeds_note_gives_the_range_of_n_never_the_largest_alone(tmp_path):
 def test_paired_verdicts_are_holm_adjusted_over_the_reports_family_and_say_how_many(tmp_path):
     """Two variants, each worse at 95% on its own (p 0.029 and 0.039, three pairs); the report makes two tests, so
     Holm compares the smaller p with 0.05 / 2 and withdraws both. The per-test verdict stays beside it."""
-    diffs = {"norm=layernorm": [1.4, 2.0, 2.6], "span=local": [1.3, 2.0, 2.7]}
+    from test_report_verdicts import WORSE_ALONE as diffs, worse_alone  # (the same two variants)
 
-    def edit(t):
-        t = t.drop(columns=[c for c in t.columns if "_ppl_" in c])  # the objective alone: a family of two
-        for label, d in diffs.items():
-            for seed, x in enumerate(d):
-                t.loc[(t["label"] == label) & (t["seed"] == seed), "metric.valid_loss"] = 1.0 + seed + x
-        t.loc[t["label"] == "baseline", "metric.valid_loss"] = 1.0 + t["seed"].astype(float)
-        return t
-
-    out = build_report(_rewrite(_sweep(tmp_path), edit), tmp_path / "out", kinds=())
+    out = build_report(_rewrite(_sweep(tmp_path), worse_alone), tmp_path / "out", kinds=())
     md = out.markdown.read_text()
     p = {label: stats.ttest_1samp(d, 0.0).pvalue for label, d in diffs.items()}
     assert all(0.025 < v < 0.05 for v in p.values())

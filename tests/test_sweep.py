@@ -337,9 +337,9 @@ def test_a_sweep_killed_mid_trial_resumes_and_finishes_every_trial_exactly_once(
     assert set(df.status) == {"completed"}
 
 
-def test_ctrl_c_says_what_it_interrupted_in_one_line_and_the_rerun_resumes(tmp_path):
-    """Ctrl-C (SIGINT to the terminal's process group): no traceback, one line saying what was interrupted and how
-    to resume, exit 130; `study status` shows nothing running; the same command then finishes every trial once."""
+def _sweep_with_two_trials_running(tmp_path) -> tuple[Path, subprocess.Popen]:
+    """`study sweep` with two workers, in a session of its own (its process group stands for a terminal's), once
+    both have a 5-second trial running: (its spec, its process)."""
     path = write_spec(tmp_path, seeds=[0, 1])
     cmd = [sys.executable, "-m", "study.cli", "sweep", str(path), "--results", str(tmp_path / "results"),
            "--workers", "2", "--runner", FAKE]
@@ -349,6 +349,13 @@ def test_ctrl_c_says_what_it_interrupted_in_one_line_and_the_rerun_resumes(tmp_p
     deadline = time.time() + 60
     while time.time() < deadline and len(list(runs.glob("*/seed-*/executions.log"))) < 2:
         time.sleep(0.2)
+    return path, proc
+
+
+def test_ctrl_c_says_what_it_interrupted_in_one_line_and_the_rerun_resumes(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group): no traceback, one line saying what was interrupted and how
+    to resume, exit 130; `study status` shows nothing running; the same command then finishes every trial once."""
+    path, proc = _sweep_with_two_trials_running(tmp_path)
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends every process of the sweep
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -372,15 +379,7 @@ def test_a_second_ctrl_c_or_a_sigterm_to_the_sweep_alone_still_gives_every_runni
                                                                                               code, word):
     """A second Ctrl-C while the workers give their trials back does not cut that short (the sweep's exit would kill
     them); `kill PID` of the sweep alone stops its workers too, and says so in one line, as Ctrl-C does."""
-    path = write_spec(tmp_path, seeds=[0, 1])
-    cmd = [sys.executable, "-m", "study.cli", "sweep", str(path), "--results", str(tmp_path / "results"),
-           "--workers", "2", "--runner", FAKE]
-    proc = subprocess.Popen(cmd, env={**os.environ, "STUDY_FAKE_SLEEP": "5"}, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    runs = tmp_path / "results" / "runs"
-    deadline = time.time() + 60
-    while time.time() < deadline and len(list(runs.glob("*/seed-*/executions.log"))) < 2:
-        time.sleep(0.2)
+    _, proc = _sweep_with_two_trials_running(tmp_path)
     for i, (to, signum) in enumerate(signals):
         time.sleep(0.05 if i else 0)
         os.killpg(proc.pid, signum) if to == "group" else os.kill(proc.pid, signum)
