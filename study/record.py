@@ -43,6 +43,9 @@ SCHEMA = 2
 COMPLETED, DIVERGED, FAILED, RUNNING, PENDING = "completed", "diverged", "failed", "running", "pending"
 FINISHED = (COMPLETED, DIVERGED)  # a run directory in one of these holds a result and is never run again
 STATUSES = (COMPLETED, DIVERGED, FAILED, RUNNING, PENDING)  # a trial's status in a results table
+# the directions a metric may be declared with (a task's MetricSpec, a sweep's objective, the report's verdicts):
+# any other word is refused, never read as one of them
+DIRECTIONS = ("minimize", "maximize")
 NOT_APPLICABLE = "n/a"  # a metric that does not apply (e.g. learned positions past their table): missing, not zero
 # The run layer's own columns of `cost` (study.model.accounting and the run's measurements): direction, unit, and
 # whether the number follows from the config by arithmetic ("by construction": a difference in it is not evidence,

@@ -204,12 +204,12 @@ def test_the_kv_cache_effect_reads_by_construction(tmp_path, effects):
 
 # -- statistics: Holm and the minimum detectable difference ------------------------------------------------------
 def test_holm_verdicts_withdraw_what_the_family_does_not_support():
-    assert holm_verdict("worse", "agree", 0.01) == "agree"
-    assert holm_verdict("worse", "agree", 0.09) == "inconclusive"
+    assert holm_verdict("agree", 0.01) == "agree"
+    assert holm_verdict("agree", 0.09) == "inconclusive"
     # withdrawn, a disagree with a published 'same' is inconclusive: 'consistent' says our interval contains zero
-    assert holm_verdict("same", "disagree", 0.2) == "inconclusive"
-    assert holm_verdict("worse", "inconclusive", float("nan")) == "inconclusive"
-    assert holm_verdict("better", "by construction", float("nan")) == "by construction"
+    assert holm_verdict("disagree", 0.2) == "inconclusive"
+    assert holm_verdict("inconclusive", float("nan")) == "inconclusive"
+    assert holm_verdict("by construction", float("nan")) == "by construction"
 
 
 def test_nsp_effects_map_to_the_glue_columns_with_per_task_verdicts(tmp_path, effects):

@@ -33,7 +33,8 @@ from study.report.collect import load_results  # noqa: E402
 from study.report import published as published_module  # noqa: E402
 from study.report.compare import compare_effects, compare_numbers, run_compare  # noqa: E402
 from study.report.figures import plot_paired_differences  # noqa: E402
-from study.report.markdown import build_doc, paired_family  # noqa: E402
+from study.report.family import paired_family  # noqa: E402
+from study.report.markdown import build_doc  # noqa: E402
 from study.report.measure import Measurement, run_measurements, sweep_measurements  # noqa: E402
 from study.report.published import load_effects, load_published, validate_published  # noqa: E402
 from study.report.stats import (  # noqa: E402

@@ -239,9 +239,13 @@ def test_the_summary_table_leaves_a_cost_one_seed_lacks_empty_and_says_why(tmp_p
 
 # -- 6. a withdrawn disagreement with a published 'same' is not 'consistent' ---------------------------------------
 def test_a_disagreement_holm_withdraws_is_inconclusive_even_where_the_publication_reports_no_difference():
-    from study.report.compare import holm_verdict
+    from study.report.compare import add_holm
 
-    assert holm_verdict("same", "disagree", 0.2) == "inconclusive"
+    tested = pd.DataFrame({"our_baseline_label": ["baseline", "baseline"], "our_variant_label": ["a", "b"],
+                           "our_metric": ["valid_loss", "valid_loss"], "p_value": [0.03, 0.04],
+                           "published_direction": ["same", "better"], "verdict": ["disagree", "disagree"]})
+    holm = add_holm(tested)  # two tests: 0.03 x 2 and 0.04 x 1 (carried up to 0.06) are not below 0.05
+    assert holm["holm_verdict"].tolist() == ["inconclusive", "inconclusive"]
 
 
 def test_effects_that_are_one_paired_test_count_once_in_the_holm_family(tmp_path, monkeypatch):

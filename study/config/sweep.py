@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from study.config.base import Config, Problems
+from study.record import DIRECTIONS
 
 DESIGNS = ("ofat", "grid")
-DIRECTIONS = ("minimize", "maximize")
 SECTIONS = ("model", "task", "train")
 PRUNERS = ("none", "median")
 # the tuning trials train with a seed outside the compared ones, so that picking the best setting

@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from study.record import COSTS, FINISHED, STATUSES, RunDir, stage_run_dirs
-from study.report.stats import DIRECTIONS
+from study.record import COSTS, DIRECTIONS, FINISHED, STATUSES, RunDir, stage_run_dirs
 
 NOT_RUN = ("running", "pending")
 # `<split>_ppl_by_length.<L>` and `<split>_ppl_at_2x`: the LM task's extrapolation metrics, on the corpus's last

@@ -65,6 +65,7 @@ from study.report.stats import (
     NO_SPREAD_WHY,
     POWER,
     holm_adjust,
+    holm_withdrawn,
     lower_is_better,
     no_spread_text,
     paired_difference,
@@ -364,13 +365,11 @@ def _effect_verdict(published: str, ours: str, withheld: bool = False) -> str:
     return "agree" if ours == published else "disagree"
 
 
-def holm_verdict(published: str, verdict: str, holm_p: float) -> str:
+def holm_verdict(verdict: str, holm_p: float) -> str:
     """The verdict after Holm's correction: an agree/disagree whose adjusted p-value is not below 0.05 is withdrawn
     (inconclusive); other verdicts stand. Never 'consistent', even where the publication reports no difference:
     that word says our interval contains zero, and a withdrawn disagree's interval excludes it."""
-    if verdict not in COUNTED or (math.isfinite(holm_p) and holm_p < ALPHA):
-        return verdict
-    return "inconclusive"
+    return holm_withdrawn(verdict, holm_p, COUNTED)
 
 
 def resolve_metric(results: SweepResults, name: str, task: str) -> tuple[str | None, Declaration | None]:
@@ -553,8 +552,7 @@ def add_holm(tested: pd.DataFrame) -> pd.DataFrame:
     tested["holm_p"] = [adjusted.get(k, math.nan) if math.isfinite(p) else math.nan
                         for k, p in zip(keys, tested["p_value"])]
     tested["holm_family"] = len(first)
-    tested["holm_verdict"] = [holm_verdict(r["published_direction"], r["verdict"], r["holm_p"])
-                              for _, r in tested.iterrows()]
+    tested["holm_verdict"] = [holm_verdict(v, p) for v, p in zip(tested["verdict"], tested["holm_p"])]
     return tested
 
 

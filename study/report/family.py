@@ -7,13 +7,12 @@ headline figure) shows the same Holm-corrected one: a verdict the correction wit
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import pandas as pd
 
 from study.report.collect import SweepResults, at_2x_column, metric_column, metric_name
-from study.report.stats import ALPHA, holm_adjust, paired_differences
+from study.report.stats import holm_adjust, holm_withdrawn, paired_differences
 
 
 @dataclass
@@ -30,9 +29,7 @@ class PairedTest:
 
 def holm_paired_verdict(verdict: str, p_holm: float) -> str:
     """A better/worse whose Holm-adjusted p-value is not below 0.05 is withdrawn (inconclusive); others stand."""
-    if verdict not in ("better", "worse") or (math.isfinite(p_holm) and p_holm < ALPHA):
-        return verdict
-    return "inconclusive"
+    return holm_withdrawn(verdict, p_holm, ("better", "worse"))
 
 
 def paired_family(results: SweepResults) -> list[PairedTest]:

@@ -16,7 +16,7 @@ import pandas as pd
 
 from study.record import COSTS
 from study.report.collect import Declaration, SweepResults, metric_column, metric_name
-from study.report.family import PairedTest, family_size, holm_paired_verdict, paired_family  # noqa: F401
+from study.report.family import PairedTest, family_size, paired_family
 from study.report.figures import FigureInfo
 from study.report.stats import (
     NO_SPREAD_TEST,

@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats as _st
 
-DIRECTIONS = ("minimize", "maximize")  # the only declared directions: any other word is refused, never guessed
+from study.record import DIRECTIONS
+
 CONFIDENCE = 0.95
 POWER = 0.80  # the conventional power of a minimum detectable difference (Cohen 1988's convention)
 ALPHA = 1 - CONFIDENCE
@@ -257,6 +258,14 @@ def holm_adjust(pvalues) -> list[float]:
         running = max(running, min(1.0, (m - rank) * value))
         out[i] = running
     return out
+
+
+def holm_withdrawn(verdict: str, p_holm: float, claims: tuple[str, ...]) -> str:
+    """`verdict` after Holm's correction: one of `claims` (the verdicts that assert a difference) whose adjusted
+    p-value is not below ALPHA is withdrawn, 'inconclusive'; every other verdict stands."""
+    if verdict not in claims or (math.isfinite(p_holm) and p_holm < ALPHA):
+        return verdict
+    return "inconclusive"
 
 
 def holm_reject(pvalues, alpha: float = ALPHA) -> list[bool]:

@@ -386,12 +386,11 @@ def _tune_split_problem(plan: Plan) -> str | None:
     objective measured on a test split would choose by the test set it reports on (a separate tuning seed does not
     help, the test set is shared), so the choice would flatter the results. Such an objective is refused; the task
     declares which split each metric is measured on (`MetricSpec.split`), so the message names what to use instead."""
-    from study.sweep.reach import objective_stage, stage_config
+    from study.sweep.reach import stage_config, stage_metric
     from study.tasks import family
 
     metric, stages = plan.objective["metric"], plan.spec.stage_names
-    stage = objective_stage(metric, stages)
-    name = metric.split(".", 1)[1] if stage in stages[:-1] else metric  # an earlier stage's metric: STAGE.metric
+    stage, name = stage_metric(metric, stages)
     cfg = stage_config(plan.points[0].config, stage)
     task = family(cfg.task.name)
     declared = task.metric(name)

@@ -87,16 +87,22 @@ def objective_stage(metric: str, stages: list[str]) -> str | None:
     return head if head in stages[:-1] else stages[-1]
 
 
+def stage_metric(metric: str, stages: list[str]) -> tuple[str | None, str]:
+    """(the stage whose run writes `metric`, the metric's name in that run's record): `STAGE.metric` names an earlier
+    stage's, any other name the last stage's (None, the name itself: a plain sweep)."""
+    stage = objective_stage(metric, stages)
+    return stage, metric.split(".", 1)[1] if stage in stages[:-1] else metric
+
+
 def objective(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig) -> tuple[dict[str, Any], str | None]:
     """The sweep's objective resolved against the declarations of the task that writes it ({metric, direction,
     scale, task}), and what is wrong with it (None when nothing is). In a study in stages the objective is the
     last stage's metric, or `STAGE.metric` for an earlier stage's."""
     metric, direction = spec.objective.get("metric"), spec.objective.get("direction")
     stages = spec.stage_names
-    stage = objective_stage(metric or "", stages)
-    name = metric.split(".", 1)[1] if metric and stage in stages[:-1] else metric
+    stage, name = stage_metric(metric or "", stages)
     task = family(stage_config(cfg, stage).task.name)
-    if name is None:
+    if metric is None:  # no metric given: the task's default
         name = task.default_objective
         metric = name
     problem = task.objective_problem(name, direction) or task.unwritten_metric(stage_config(cfg, stage), name)

@@ -208,12 +208,13 @@ def _stop_workers(procs: list[subprocess.Popen]) -> None:
     storage) plus its own exit; a worker still running then is killed, and its trial is taken back as lost."""
     for p in procs:
         p.terminate()
-    deadline = time.time() + 2 * GIVE_BACK_S + 10
+    allowed = 2 * GIVE_BACK_S + 10
+    deadline = time.time() + allowed
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            log.warning("worker pid %d did not stop within %.0f s of being asked; killed", p.pid, 2 * GIVE_BACK_S + 10)
+            log.warning("worker pid %d did not stop within %.0f s of being asked; killed", p.pid, allowed)
             p.kill()
             p.wait()
 

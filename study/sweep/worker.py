@@ -250,8 +250,7 @@ def _stop(child) -> None:
     try:
         child.wait(timeout=GIVE_BACK_S)
     except subprocess.TimeoutExpired:
-        log.warning("the trial process (pid %s) was killed but not reaped within %.0f s", getattr(child, "pid", "?"),
-                    GIVE_BACK_S)
+        log.warning("the trial process (pid %s) was killed but not reaped within %.0f s", child.pid, GIVE_BACK_S)
 
 
 def _begin(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any]):

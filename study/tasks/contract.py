@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from study.record import DIRECTIONS
+
 if TYPE_CHECKING:
     from study.config import ExperimentConfig
 
-DIRECTIONS = ("minimize", "maximize")
 SPLITS = ("valid", "test")
 # `MetricSpec.split` of a pattern whose keys say their split in their first word (`valid_ppl_at_2x`, `test_ppl_at_2x`)
 SPLIT_FROM_NAME = "from name"
