@@ -302,3 +302,66 @@ def test_a_stopping_process_waits_out_an_outage_for_at_most_the_time_it_was_give
     with pytest.raises(StorageError), retrying_at_most(storage, 1.0):
         storage.get_all_studies()
     assert time.time() - started < 5 and storage.retry_s == 300.0
+
+
+def _failing_once(error: BaseException):
+    class FailsOnce:
+        calls = 0
+
+        def get_all_studies(self):
+            FailsOnce.calls += 1
+            if FailsOnce.calls == 1:
+                raise error
+            return ["study"]
+
+    return FailsOnce()
+
+
+def _internal_error(cause: BaseException):
+    """Optuna's StorageInternalError as its scoped session raises it, from what the query raised."""
+    import optuna
+
+    try:
+        raise cause
+    except BaseException as err:
+        try:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from err
+        except optuna.exceptions.StorageInternalError as wrapped:
+            return wrapped
+
+
+def _rollback_pending_after_a_dropped_connection():
+    """What SQLAlchemy raises when the server drops the connection while a query loads related rows (seen in CI
+    with PostgreSQL's `pg_ctl stop -m fast`): PendingRollbackError, raised while handling the driver's error."""
+    from sqlalchemy.exc import OperationalError, PendingRollbackError
+
+    try:
+        try:
+            raise OperationalError("SELECT ...", {}, ConnectionError("terminating connection due to administrator"
+                                                                     " command"), connection_invalidated=True)
+        except OperationalError:
+            raise PendingRollbackError("Can't reconnect until invalid transaction is rolled back.")
+    except PendingRollbackError as err:
+        return err
+
+
+def test_a_connection_dropped_mid_query_is_waited_out_like_any_outage():
+    """A worker polling the queue at the moment the server stops saw this once and died with a traceback."""
+    from study.sweep.storage import retrying
+
+    storage = retrying(_failing_once(_internal_error(_rollback_pending_after_a_dropped_connection())), 30.0,
+                       "postgresql://db/sweeps")
+    assert storage.get_all_studies() == ["study"] and storage.recovered_at > 0
+
+
+def test_a_storage_error_that_is_not_an_outage_is_raised_at_once():
+    import optuna
+    from sqlalchemy.exc import DataError, PendingRollbackError
+
+    from study.sweep.storage import retrying
+
+    value_too_long = DataError("INSERT ...", {}, ValueError("value too long for type character varying(2048)"))
+    for error in (value_too_long, PendingRollbackError("rolled back after an earlier refused statement")):
+        storage = retrying(_failing_once(_internal_error(error)), 30.0, "postgresql://db/sweeps")
+        with pytest.raises(optuna.exceptions.StorageInternalError):
+            storage.get_all_studies()

@@ -167,14 +167,16 @@ class StorageUnreachable(StorageError):
 def _transient(err: BaseException) -> bool:
     """An error that says the storage cannot be reached now (connection refused or dropped, a locked or missing
     file), not that the call was wrong; Optuna re-raises some as its StorageInternalError, from the driver's."""
-    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, PendingRollbackError
 
     while err is not None:
         if isinstance(err, (OperationalError, InterfaceError, OSError)):
             return True
         if isinstance(err, DBAPIError) and err.connection_invalidated:
             return True
-        err = err.__cause__
+        # a connection dropped while a query loaded related rows leaves the transaction unusable: SQLAlchemy then
+        # raises PendingRollbackError while handling the driver's error, which is its context, not its cause
+        err = err.__context__ if isinstance(err, PendingRollbackError) else err.__cause__
     return False
 
 
