@@ -105,7 +105,7 @@ def test_sinusoidal_and_t5_bias_rules_live_on_their_classes():
     # only t5_bias reads them: under another scheme they are refused as unread, not by t5_bias's bounds
     with pytest.raises(ConfigError) as err:
         ModelConfig(**base, d_model=16, position="rope", rel_buckets=2, rel_max_distance=1)
-    assert all("only applies to position='t5_bias'" in p for p in err.value.problems)
+    assert all("only position 't5_bias' reads it, not 'rope'" in p for p in err.value.problems)
 
 
 def test_t5_bias_distance_bound_follows_the_stacks_direction():
@@ -151,3 +151,13 @@ def test_every_registered_value_builds_and_its_declared_parameters_are_the_real_
 def test_every_norm_and_position_is_a_subclass_of_its_contract():
     assert all(issubclass(cls, NormType) for _, cls in NORMS.items())
     assert all(issubclass(cls, PositionScheme) for _, cls in POSITIONS.items())
+
+
+def test_t5_bias_refuses_an_odd_bucket_count_that_would_train_a_bucket_no_offset_reaches():
+    """A bidirectional stack gives each direction rel_buckets // 2 buckets: with 33, bucket 32 is never looked up."""
+    from study.axes.position import t5_relative_bucket
+
+    assert t5_relative_bucket(torch.arange(-500, 501), True, 33, 128).max() == 31
+    with pytest.raises(ConfigError, match="rel_buckets: t5_bias needs an even rel_buckets >= 4, got 33"):
+        ModelConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=10, max_seq_len=64, position="t5_bias",
+                    rel_buckets=33, arch="encoder", objective="mlm")

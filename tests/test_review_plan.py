@@ -125,3 +125,18 @@ def test_a_set_default_that_per_task_settings_override_for_some_tasks_still_plan
 
     plan = expand(*load_spec(EXPERIMENTS / "sweeps" / "nsp_glue.yaml"))
     assert not plan.refused and plan.points
+
+
+def test_a_context_length_axis_under_a_scheme_without_a_position_table_is_refused(tmp_path):
+    """max_seq_len sizes a learned position table and nothing else: swept under RoPE, every value would train the same
+    model while the table listed them as different points."""
+    text = refused(tmp_path, **LM, axes={"model.max_seq_len": [128, 256]})
+    assert "axes.max_seq_len: model.max_seq_len does not reach the trained model: only position 'learned' reads it, " \
+           "not 'rope'" in text
+    where_read = {"field": "model.max_seq_len", "values": [128, 256], "when": {"position": "learned"}}
+    plan = plan_of(tmp_path, **LM, design="grid", axes={"model.position": ["rope", "learned"], "table": where_read})
+    check(plan)
+    assert {(p.config.model.position, p.config.model.max_seq_len) for p in plan.points} == {
+        ("rope", 128), ("learned", 128), ("learned", 256)}
+    # a `set` states the table's size for the points that have one, as a single config keeps it under any scheme
+    check(plan_of(tmp_path, **LM, set={"model.max_seq_len": 256}, axes={"model.position": ["rope", "learned"]}))

@@ -11,8 +11,9 @@ One instance per stack (encoder and decoder have their own, as in T5). The
 `causal` flag tells bias schemes whether the stack can see the future.
 
 Every value is a `PositionScheme` that states its parameter count per stack, its rules for the rest of the config
-(`validate`: RoPE's even head dimension lives on RoPE) and how far it can address (`max_positions`: a learned table
-stops at max_seq_len).
+(`validate`: RoPE's even head dimension lives on RoPE), how far it can address (`max_positions`: a learned table
+stops at max_seq_len) and the config fields only it reads (`reads`: RoPE's base), which reach no module under
+another scheme.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class PositionScheme(nn.Module, abc.ABC):
 
     #: False for schemes with a fixed table that cannot go past `max_seq_len`.
     extrapolates: ClassVar[bool] = True
+    #: ModelConfig fields this scheme reads and nothing outside the position schemes does (RoPE's `rope_theta`).
+    reads: ClassVar[tuple[str, ...]] = ()
     #: The C++ CPU kernel this value runs (study/axes/kernels/<name>.cpp), built before a CPU run trains; None: none.
     cpu_kernel: ClassVar[str | None] = None
 
@@ -86,6 +89,7 @@ class NoPosition(PositionScheme):
 @POSITIONS.register("learned", "learned absolute position embeddings (BERT, GPT-2); cannot exceed max_seq_len")
 class LearnedPosition(PositionScheme):
     extrapolates = False
+    reads = ("max_seq_len",)
 
     @staticmethod
     def num_parameters(cfg) -> int:
@@ -182,6 +186,7 @@ def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel=Non
 @POSITIONS.register("rope", "rotary position embedding on q and k (Su et al. 2021, RoFormer; Llama)")
 class RotaryPosition(PositionScheme):
     cpu_kernel = "rotary"
+    reads = ("rope_theta",)
 
     @staticmethod
     def num_parameters(cfg) -> int:
@@ -262,13 +267,18 @@ def t5_relative_bucket(
 
 @POSITIONS.register("t5_bias", "learned bucketed relative bias per head, shared across layers (Raffel et al. 2020, T5)")
 class T5RelativeBias(PositionScheme):
+    reads = ("rel_buckets", "rel_max_distance")
+
     @staticmethod
     def num_parameters(cfg) -> int:
         return cfg.rel_buckets * cfg.n_heads
 
     @classmethod
     def validate(cls, cfg, problems) -> None:
-        problems.check(cfg.rel_buckets >= 4, "rel_buckets", f"t5_bias needs rel_buckets >= 4, got {cfg.rel_buckets}")
+        # an even count: a bidirectional stack gives each direction half the buckets (T5's num_buckets //= 2), so an
+        # odd count would train one bucket that no offset ever reaches
+        problems.check(cfg.rel_buckets >= 4 and cfg.rel_buckets % 2 == 0, "rel_buckets",
+                       f"t5_bias needs an even rel_buckets >= 4, got {cfg.rel_buckets}")
         # the log-spaced buckets start past the exact-offset ones: rel_buckets // 2 in a causal stack, and // 4 in a
         # bidirectional one (half the buckets per direction), so only an encoder-only model gets the lower bound
         exact = cfg.rel_buckets // 4 if cfg.arch == "encoder" else cfg.rel_buckets // 2

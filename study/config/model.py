@@ -19,9 +19,9 @@ ARCHS = ("encoder", "decoder", "encoder-decoder")
 # objective -> the architecture it trains
 OBJECTIVES = {"clm": "decoder", "mlm": "encoder", "seq2seq": "encoder-decoder"}
 DEFAULT_OBJECTIVE = {arch: obj for obj, arch in OBJECTIVES.items()}
-# Fields only one position scheme reads: set (away from its default) under another scheme, such a field would reach
-# no module while the results table still lists it, so it is refused instead.
-POSITION_FIELDS = {"rope_theta": "rope", "rel_buckets": "t5_bias", "rel_max_distance": "t5_bias"}
+# The context length a preset was published with (Llama-2's 4096) is stated even where no module reads it: only a
+# position table does, yet a config keeps it under any scheme (a sweep still refuses it as an axis there).
+CONTEXT_FIELDS = ("max_seq_len",)
 
 
 def axis_choices() -> dict[str, list[str]]:
@@ -214,17 +214,27 @@ class ModelConfig(Config):
                     f"address (max_seq_len), so it would mask nothing; valid: 1 to {limit - 1}, or null")
 
     def _validate_position_fields(self, p: Problems) -> None:
-        """A field only one position scheme reads stays at its default under the others (POSITION_FIELDS)."""
+        """A field only other position schemes read stays at its default: set under this scheme, it would reach no
+        module while the results table still lists it (the context length excepted, CONTEXT_FIELDS)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, why in self.unread_fields().items():
+            value = getattr(self, name)
+            p.check(name in CONTEXT_FIELDS or value == defaults[name], name,
+                    f"got {value}, but {why}; leave it at its default {defaults[name]} or change position")
+
+    def unread_fields(self) -> dict[str, str]:
+        """Field -> why, for each field some position scheme reads (`PositionScheme.reads`) and this config's does
+        not: its value reaches no module. Empty while the position is unknown (validation names it)."""
         from study.axes import POSITIONS  # lazily, as in axis_choices: study.config stays torch-free
 
         if self.position not in POSITIONS:
-            return  # _validate_axes names the position already
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, owner in POSITION_FIELDS.items():
-            value = getattr(self, name)
-            p.check(self.position == owner or value == defaults[name], name,
-                    f"only applies to position={owner!r}, got {value} with position={self.position!r} (which "
-                    f"ignores it); leave it at its default {defaults[name]} or use position={owner!r}")
+            return {}
+        readers: dict[str, list[str]] = {}
+        for name, scheme in POSITIONS.items():
+            for field in scheme.reads:
+                readers.setdefault(field, []).append(name)
+        return {field: f"only position {' or '.join(map(repr, names))} reads it, not {self.position!r}"
+                for field, names in readers.items() if self.position not in names}
 
     def _validate_objective(self, p: Problems) -> None:
         """The objective trains its architecture; the heads it needs are there."""

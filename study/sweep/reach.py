@@ -5,7 +5,8 @@ A value can fail to reach the model in three ways, each declared by the task fam
 task never reads the field (`unread_fields`: `task.beam_size` in language modelling), something else decides it
 (`overridden_fields`: the model of a GLUE run that starts from a pretrained one, `model.nsp` where no next-sentence
 head is trained), or resolving the config replaces it (`resolve`), which is checked by comparing the field before
-and after resolution.
+and after resolution. A fourth is the model's own: a field only other position schemes read
+(`ModelConfig.unread_fields`: `model.max_seq_len` sizes a learned table, and nothing under RoPE).
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, pat
     stage, field = route(path, spec.stage_names)
     exp = stage_config(cfg, stage)
     task = family(exp.task.name)
-    why = {**task.unread_fields(exp), **({} if partly else task.overridden_fields(exp))}.get(field)
+    unread = task.unread_fields(exp)
+    if not partly:  # (a `set` of max_seq_len is kept for the points with a position table, as a config keeps it)
+        unread |= task.overridden_fields(exp) | {f"model.{n}": why for n, why in exp.model.unread_fields().items()}
+    why = unread.get(field)
     if why is not None:
         return f"{path} does not reach the trained model: {why}"
     try:
