@@ -140,3 +140,20 @@ def test_a_context_length_axis_under_a_scheme_without_a_position_table_is_refuse
         ("rope", 128), ("learned", 128), ("learned", 256)}
     # a `set` states the table's size for the points that have one, as a single config keeps it under any scheme
     check(plan_of(tmp_path, **LM, set={"model.max_seq_len": 256}, axes={"model.position": ["rope", "learned"]}))
+
+
+def test_a_point_that_spells_out_what_another_leaves_unset_is_the_same_run_and_trains_once(tmp_path):
+    """n_kv_heads: null is n_heads (MHA): a variant naming n_heads trains the same model, so the plan skips it
+    rather than present two seeds' noise between identical models as the difference between two variants. The run
+    directory keeps its content hash (unset fields left out), so committed results are not orphaned."""
+    from study.config import content_hash
+
+    attention = {"mha": {"model.n_kv_heads": None}, "gqa": {"model.n_kv_heads": 2},
+                 "mha-named": {"model.n_kv_heads": 4}}
+    plan = plan_of(tmp_path, **LM, set={"model.n_heads": 4}, axes={"attention": attention})
+    check(plan)
+    assert [p.label for p in plan.points] == ["baseline", "attention=gqa"]
+    assert plan.duplicates == [("attention=mha-named", "baseline")]
+    assert "skipped attention=mha-named: the same config as baseline" in describe(plan)
+    baseline = plan.points[0]
+    assert baseline.point == content_hash(baseline.config.replace(name="x")) and baseline.config.model.n_kv_heads is None

@@ -134,6 +134,15 @@ class Config:
     def _validate(self, problems: Problems) -> None:
         """Add a problem for every invalid field or combination."""
 
+    def resolved(self, name: str) -> Any:
+        """Field `name` as it runs: its value, or where it is unset (None) the value this config derives from its
+        other fields (a `resolved_<name>` property, or `resolved_<name less n_>`: n_kv_heads -> n_heads)."""
+        value = getattr(self, name)
+        for derived in (f"resolved_{name}", f"resolved_{name.removeprefix('n_')}"):
+            if value is None and isinstance(getattr(type(self), derived, None), property):
+                return getattr(self, derived)
+        return value
+
     def differences(self, other: Config) -> dict[str, tuple[Any, Any]]:
         """`field` (`section.field` in nested configs) -> (this value, `other`'s) wherever the two differ."""
         out: dict[str, tuple[Any, Any]] = {}

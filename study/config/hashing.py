@@ -30,21 +30,37 @@ def content_hash(cfg: Config) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def _identity(cfg: Config, drop_seed: bool) -> dict[str, Any]:
-    data = without_defaults(cfg)
+def same_run_hash(cfg: Config) -> str:
+    """A hash under which two experiments that run the same are equal however their fields are spelled: each unset
+    field the config derives (`n_kv_heads: null` -> n_heads; `Config.resolved`) counts as its resolved value. The
+    plan finds duplicate points by it. Never a run directory's name: content_hash is, and must not move when a
+    derivation rule is added."""
+    from study.config.pipeline import PipelineConfig
+
+    if isinstance(cfg, PipelineConfig):
+        data: Any = {"stages": {name: _identity(stage, drop_seed=i == 0, resolved=True)
+                                for i, (name, stage) in enumerate(cfg.stages.items())}}
+    else:
+        data = _identity(cfg, drop_seed=True, resolved=True)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _identity(cfg: Config, drop_seed: bool, resolved: bool = False) -> dict[str, Any]:
+    data = without_defaults(cfg, resolved)
     data.pop("name", None)
     if drop_seed:
         data.get("train", {}).pop("seed", None)
     return data
 
 
-def without_defaults(section: Config) -> dict[str, Any]:
-    """The fields of `section` (recursively) whose value differs from the declared default."""
+def without_defaults(section: Config, resolved: bool = False) -> dict[str, Any]:
+    """The fields of `section` (recursively) whose value differs from the declared default (`resolved`: each unset
+    field read as the value the config derives for it)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
+        value = section.resolved(f.name) if resolved else getattr(section, f.name)
         if isinstance(value, Config):
-            out[f.name] = without_defaults(value)
+            out[f.name] = without_defaults(value, resolved)
             continue
         if f.default is not dataclasses.MISSING:
             default = f.default

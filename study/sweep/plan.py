@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from study.config import ConfigError, ExperimentConfig, PipelineConfig, content_hash
+from study.config.hashing import same_run_hash
 from study.config.experiment import set_fields
 from study.config.pipeline import STAGE_REF
 from study.io import load_yaml
@@ -331,11 +332,11 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
         for problem in reach.reach_problems(spec, cfg, checked, _set_paths(spec)):
             if problem not in plan.refused:
                 plan.refused.append(problem)
-        digest = content_hash(cfg)
-        if digest in seen:  # e.g. a variant that equals the baseline
-            plan.duplicates.append((label, seen[digest]))
+        digest, same_run = content_hash(cfg), same_run_hash(cfg)
+        if same_run in seen:  # e.g. a variant that equals the baseline, or spells out what it leaves unset
+            plan.duplicates.append((label, seen[same_run]))
             continue
-        seen[digest] = label
+        seen[same_run] = label
         cfg = cfg.replace(name=f"point-{digest}")  # not the sweep: two sweeps share the run
         plan.points.append(Point(point=digest, label=label, varied=varied, axes=labels, config=cfg))
     plan.refused += [f"{problem} (at {', '.join(names)})" for problem, names in tune_refused.items()]

@@ -85,11 +85,7 @@ def _resolved_default(config: dict[str, Any], section: str, name: str, unset: An
         part = getattr(ExperimentConfig.from_dict(config), section, None)
     except (ConfigError, ValueError, TypeError):
         return unset
-    value = getattr(part, name, unset) if part is not None else unset
-    for derived in (f"resolved_{name}", f"resolved_{name.removeprefix('n_')}"):
-        if value is None and isinstance(getattr(type(part), derived, None), property):
-            return getattr(part, derived)
-    return value
+    return part.resolved(name) if part is not None and hasattr(part, name) else unset
 
 
 def ran_labels(plan: dict[str, Any], point: dict[str, Any], run: RunDir,
