@@ -7,7 +7,6 @@ checkpoint; a finished run is not repeated, and a directory holding another conf
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
 import datetime
 import logging
@@ -44,21 +43,6 @@ def _checkpoint_io():
             return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
     return AtomicCheckpointIO()
-
-
-def _logged_rows_before(csv_path: Path, ckpt_path: Path) -> list[dict[str, str]]:
-    """The rows of an interrupted attempt's CSV log for the steps before its last checkpoint.
-
-    Lightning's CSV logger deletes an existing metrics.csv when it starts, so without these rows a
-    resumed run's curves would begin at the checkpoint. Rows of steps after the checkpoint are
-    dropped: the resumed run trains those steps again and logs them itself."""
-    if not csv_path.is_file():
-        return []
-    step = int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
-    with open(csv_path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    return [{k: v for k, v in row.items() if k and v not in ("", None)}
-            for row in rows if row.get("step", "").isdigit() and int(row["step"]) < step]
 
 
 def readable_checkpoint(run: RunDir) -> Path | None:
@@ -148,15 +132,12 @@ def _write_inputs(run: RunDir, cfg: ExperimentConfig, dm) -> None:
 def _loggers(run: RunDir, cfg: ExperimentConfig, resume_from: Path | None) -> list:
     """The CSV logger (flushed at every logged step, so a killed run's rows up to its checkpoint are on disk, and
     given back the rows before the checkpoint when resuming), and TensorBoard's when it is installed."""
-    from lightning.fabric.loggers.csv_logs import _ExperimentWriter as _CSVWriter
-    from lightning.pytorch.loggers import CSVLogger
+    from study.run.curves import CurvesLogger, rows_before
 
-    csv_logger = CSVLogger(run.path, name="logs", version="", flush_logs_every_n_steps=cfg.train.log_every)
-    earlier_rows = _logged_rows_before(Path(csv_logger.log_dir) / "metrics.csv", resume_from) if resume_from else []
-    writer = csv_logger.experiment  # (rank zero) replaces any old metrics.csv: write back the rows kept
-    if earlier_rows and isinstance(writer, _CSVWriter):
-        writer.metrics[:0] = earlier_rows
-        writer.save()
+    kept = rows_before(run.curves, resume_from) if resume_from else []
+    csv_logger = CurvesLogger(run.path, name="logs", version="", flush_logs_every_n_steps=cfg.train.log_every,
+                              kept=kept)
+    csv_logger.experiment  # (rank zero) the file starts as the rows kept, replaced in one step
     loggers = [csv_logger]
     try:
         import tensorboard  # noqa: F401
