@@ -5,7 +5,9 @@ report (which reads them) all use it. It imports nothing from the rest of `study
 so the report package can read records without the model stack.
 
     <run_dir>/config.yaml    the resolved experiment: what ran, not what was asked (labels are read from here)
-    <run_dir>/env.json       code version, packages, device, precision, attention kernels
+    <run_dir>/env.json       code version, packages, device, precision, attention kernels of the attempt that ran
+                             last; each earlier attempt's (a resumed run may have begun on another machine) under
+                             `earlier_attempts`, oldest first
     <run_dir>/data.json      fingerprint of the data actually read
     <run_dir>/metrics.json   the record below, written last and atomically: its presence means the run ended
     <run_dir>/model.pt       final weights (a plain state dict: torch.load(weights_only=True))
@@ -107,6 +109,13 @@ class RunDir:
 
     def write(self, record: dict[str, Any]) -> None:
         atomic_write_json(self.metrics, record)
+
+    def write_env(self, env: dict[str, Any]) -> None:
+        """env.json for the attempt starting now, the earlier attempts' environments kept under `earlier_attempts`."""
+        old = read_json_or_none(self.env)
+        if isinstance(old, dict):
+            env = env | {"earlier_attempts": [*old.pop("earlier_attempts", []), old]}
+        atomic_write_json(self.env, env)
 
     def read_curves(self):
         """logs/metrics.csv as a DataFrame (sparse Lightning rows with a `step` column), or None when it is

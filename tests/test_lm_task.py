@@ -447,6 +447,7 @@ def test_exact_resume_after_a_kill(main_run, corpus, monkeypatch):
     assert torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
     killed_rows = read_csv(d / "logs" / "metrics.csv")
     assert max(int(r["step"]) for r in killed_rows) == 8  # the attempt logged steps past the checkpoint
+    killed_env = json.loads((d / "env.json").read_text())
     # the run's cost counts its earlier attempt up to the checkpoint (made large here, so that it shows)
     ckpt = torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["study"]["fit_seconds"] > 0
@@ -455,6 +456,9 @@ def test_exact_resume_after_a_kill(main_run, corpus, monkeypatch):
 
     m = run(corpus, cfg, "resumed")  # same config, same directory: resumes from step 6
     assert m["status"] == "completed" and m["steps"] == 12
+    env = json.loads((d / "env.json").read_text())  # the resumed attempt's, the killed one's kept beside it
+    assert env["earlier_attempts"] == [killed_env] and "earlier_attempts" not in killed_env
+    assert run(corpus, cfg, "resumed") == m and json.loads((d / "env.json").read_text()) == env  # finished: as is
     assert 1000.0 < m["cost"]["fit_seconds"] < 1000.0 + 10 * main_run["metrics"]["cost"]["fit_seconds"]
     assert m["cost"]["wall_seconds"] > m["cost"]["fit_seconds"]
     ref = main_run["metrics"]

@@ -123,7 +123,7 @@ def _write_inputs(run: RunDir, cfg: ExperimentConfig, dm) -> None:
         return
     atomic_write_text(run.config, cfg.to_yaml())
     kernels = cpu_kernels(cfg.model, cfg.train.accelerator, cfg.train.precision)
-    atomic_write_json(run.env, snapshot(cfg.train.precision, cfg.train.accelerator) | {"cpu_kernels": kernels})
+    run.write_env(snapshot(cfg.train.precision, cfg.train.accelerator) | {"cpu_kernels": kernels})
     atomic_write_json(run.data, dm.fingerprint)
     if hasattr(dm, "save_artifacts"):
         dm.save_artifacts(run.path)
