@@ -90,13 +90,14 @@ def test_kv_cache_bytes_per_token_match_a_filled_cache(name):
     cache = KVCache()
     t = 9
     with torch.no_grad():
-        if cfg.arch == "encoder-decoder":
+        if cfg.arch == "encoder-decoder":  # the source's K/V in every decoder layer, held for the whole decode
             memory = model.encode(torch.randint(0, 100, (1, 5)))
             model.decode(torch.randint(0, 100, (1, t)), memory, cache=cache)
+            assert cache.cross_kv and cache.nbytes() == kv_cache_bytes(cfg, t, bytes_per_element=4, source_len=5)
             cache.cross_kv.clear()
         else:
             model(torch.randint(0, 100, (1, t)), cache=cache)
-    assert cache.nbytes() == kv_cache_bytes(cfg, t, bytes_per_element=4)
+    assert cache.nbytes() == kv_cache_bytes(cfg, t, bytes_per_element=4, source_len=0)  # self-attention's alone
     before = cache.nbytes()
     with torch.no_grad():  # one more token: the cache grows by the per-token figure
         if cfg.arch == "encoder-decoder":

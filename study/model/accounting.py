@@ -155,13 +155,17 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> in
     return 2 * global_layers * cfg.resolved_n_kv_heads * cfg.resolved_head_dim * bytes_per_element
 
 
-def kv_cache_bytes(cfg: ModelConfig, context: int, bytes_per_element: int = 2) -> int:
-    """Bytes of the self-attention KV cache after `context` tokens (per sequence): global layers
-    hold every position, sliding-window layers the window - 1 most recent."""
+def kv_cache_bytes(cfg: ModelConfig, context: int, bytes_per_element: int = 2, source_len: int | None = None) -> int:
+    """Bytes of the KV cache after `context` tokens (per sequence): global layers hold every position,
+    sliding-window layers the window - 1 most recent. An encoder-decoder also holds each decoder layer's
+    cross-attention K/V of its source (`source_len` tokens, default `context`), computed once and kept for the
+    whole decode, so it adds to the total and not to `kv_cache_bytes_per_token`."""
     if cfg.arch == "encoder":
         return 0
     per_position = 2 * cfg.resolved_n_kv_heads * cfg.resolved_head_dim * bytes_per_element
     held = sum(context if span == "global" else min(context, cfg.window - 1) for span in cfg.layer_spans(cfg.n_layers))
+    if cfg.arch == "encoder-decoder":
+        held += cfg.n_layers * (context if source_len is None else source_len)
     return per_position * held
 
 
