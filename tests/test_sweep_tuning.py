@@ -225,7 +225,7 @@ def test_a_pruned_tuning_trial_records_its_last_validation_loss_not_an_objective
     _, layout, url = prepare(write_spec(tmp_path, tune={**LR, "trials": 3, "pruner": "median"}, **ONE_POINT),
                              opts(tmp_path), say=quiet)
     plan = read_json(layout.plan_path)
-    queue = TrialQueue(open_storage(url), "t", heartbeat_s=1, grace_s=5)
+    queue = TrialQueue(open_storage(url), "t", heartbeat_s=1, grace_s=120)  # nothing here is reaped, however loaded
     queue.sync(trial_specs(plan))
     two_finished_tuning_trials(tuning.tune_study(queue, plan, plan["points"][0]["point"]))
 
@@ -262,7 +262,7 @@ def test_a_tuning_trials_line_shows_the_objective_of_the_setting_it_ran_not_of_i
     setting's run directory; its point's own directory holds another run (here: one with a better loss)."""
     _, layout, url = prepare(write_spec(tmp_path, tune=LR, **ONE_POINT), opts(tmp_path), say=quiet)
     plan = read_json(layout.plan_path)
-    queue = TrialQueue(open_storage(url), "t", heartbeat_s=1, grace_s=5)
+    queue = TrialQueue(open_storage(url), "t", heartbeat_s=1, grace_s=120)  # nothing here is reaped, however loaded
     queue.sync(trial_specs(plan))
     point = plan["points"][0]["point"]
     RunDir(layout.run_dir(point, 1000)).write({"status": "completed", "steps": 3, "metrics": {"valid_loss": 0.5}})
