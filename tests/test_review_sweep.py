@@ -190,6 +190,31 @@ def test_a_worker_interrupted_while_its_trial_process_starts_gives_the_trial_bac
     assert _outcomes(run_dir) == ["interrupted"]
 
 
+def test_a_worker_interrupted_while_it_opens_its_trials_log_gives_the_trial_back(tmp_path, monkeypatch):
+    """Between setting the attempt up and starting its process the worker writes the trial's log header: an
+    interrupt there gives the trial back as well."""
+    plan, layout, url, queue = _sweep(tmp_path, **ONE_POINT)
+
+    def interrupted_open(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    class Launcher:
+        def start(self, cmd, env, log):
+            raise AssertionError("never reached")
+
+        def close(self):
+            pass
+
+    claimed = queue.claim(set(all_keys(plan)))
+    with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        mp.setattr(worker, "open", interrupted_open, raising=False)
+        worker.run_trial(queue, layout, claimed, plan, worker.WorkerOptions(), Launcher())
+    (key,) = all_keys(plan)
+    assert queue.counts([key]) == {"done": 0, "running": 0, "queued": 1, "failed": 0, "not queued": 0}
+    run_dir = next(Path(layout.sweep_dir).parent.rglob("trial.json")).parent
+    assert _outcomes(run_dir) == ["interrupted"]
+
+
 def test_a_claim_ended_underneath_by_another_process_is_skipped_not_raised(tmp_path, monkeypatch):
     plan, layout, url, queue = _sweep(tmp_path, seeds=[0, 1], axes={"model.norm_position": ["pre"]})
     fired = _reaped_at(monkeypatch, queue, url, "heartbeat", after=False)

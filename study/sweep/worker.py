@@ -281,15 +281,12 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
     if isinstance(begun, str):
         return begun
     attempt, pruning = begun
-    cmd, env = _command(layout, attempt, opts)
-    run = RunDir(attempt.run_dir)
-    with open(run.trial_log, "ab") as out:
-        out.write(f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n".encode())
     launcher = launcher or Launcher(WorkerOptions(launcher="spawn"))
-    try:  # a launcher that cannot start the trial (e.g. the zygote's preload fails) fails this attempt, as a crash would
-        child = launcher.start(cmd, env, run.trial_log)
+    header = f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n"
+    try:  # a trial that cannot start (its log, the zygote's preload) fails this attempt, as a crash would
+        child = _launch(layout, attempt, opts, launcher, header)
     except Exception as err:  # noqa: BLE001
-        return _settle(queue, layout, plan, attempt, _note_start_failure(run.trial_log, err))
+        return _settle(queue, layout, plan, attempt, _note_start_failure(RunDir(attempt.run_dir).trial_log, err))
     except BaseException:  # Ctrl-C or SIGTERM as the zygote imports or forks: a child it forked dies with it first
         with shielded():
             launcher.close()
@@ -320,6 +317,15 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
             _interrupted(queue, claimed, attempt, sweep)
         raise
     return _settle(queue, layout, plan, attempt, rc)
+
+
+def _launch(layout: SweepLayout, attempt: Attempt, opts: WorkerOptions, launcher: Launcher, header: str):
+    """The attempt's process, started with its output appended to the run's trial.log after `header`."""
+    cmd, env = _command(layout, attempt, opts)
+    trial_log = RunDir(attempt.run_dir).trial_log
+    with open(trial_log, "ab") as out:
+        out.write(header.encode())
+    return launcher.start(cmd, env, trial_log)
 
 
 def _interrupted(queue: TrialQueue, claimed: Claimed, attempt: Attempt | None, sweep: str) -> None:
@@ -359,7 +365,7 @@ def _start_failed(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], 
 def _note_start_failure(log: Path, err: Exception) -> int:
     """Write why the trial process could not start to its log (where a failed trial's error is read from); the exit
     code to settle the attempt with."""
-    with open(log, "a") as out:
+    with contextlib.suppress(OSError), open(log, "a") as out:  # (a log that cannot be written: the error is why)
         out.write(f"the trial process could not start: {type(err).__name__}: {err}\n")
     return 1
 
