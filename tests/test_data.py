@@ -346,6 +346,18 @@ def test_multi30k_local(root):
     assert c2.splits["test_2018_flickr"] == [("Ein Boot.", "A boat.")]
 
 
+def test_czech_multi30k_has_no_2017_test_sets_and_loads_without_them(root):
+    """Czech joined Multi30k in 2018: its release has train, val, test_2016_flickr and test_2018_flickr only."""
+    for stem in ("train", "val", "test_2016_flickr", "test_2018_flickr"):
+        _gz(root / f"multi30k/raw/{stem}.cs.gz", "".join("Pes.\n" for _ in M30K.get(stem, [["."]])[0]))
+    _gz(root / "multi30k/raw/test_2018_flickr.en.gz", "A dog.\n")
+    _gz(root / "multi30k/raw/test_2018_flickr.de.gz", "Ein Hund.\n")
+    c = load_translation("multi30k", "en", "cs", data_dir=root)
+    assert list(c.splits) == ["train", "valid", "test_2016_flickr", "test_2018_flickr"]
+    assert not any(".cs" in f and "2017" in f for f in c.fingerprint["files"])
+    assert "test_2017_flickr" in load_translation("multi30k", "en", "de", data_dir=root).splits  # de still has them
+
+
 def test_multi30k_line_count_mismatch_names_both_files(root):
     de, en = root / "multi30k/raw/val.de.gz", root / "multi30k/raw/val.en.gz"
     _gz(de, "Eins.\nZwei.\n")

@@ -34,6 +34,15 @@ MULTI30K_SPLITS = {
     "test_2018_flickr": "test_2018_flickr",
 }
 MULTI30K_OPTIONAL_SPLITS = ("test_2018_flickr",)
+# Splits the release does not have in a language: Czech joined in 2018 (Barrault et al. 2018), after the 2017 test
+# sets were translated, so an en-cs corpus has train, val, test_2016_flickr and test_2018_flickr.
+MULTI30K_NOT_IN = {"cs": ("test_2017_flickr", "test_2017_mscoco")}
+
+
+def multi30k_splits(src: str, tgt: str) -> dict[str, str]:
+    """Split -> file stem, for the splits the release has in both languages."""
+    absent = {split for lang in (src, tgt) for split in MULTI30K_NOT_IN.get(lang, ())}
+    return {split: stem for split, stem in MULTI30K_SPLITS.items() if split not in absent}
 
 MULTI30K = DatasetSource(
     name="multi30k",
@@ -103,7 +112,7 @@ def _check_langs(src: str, tgt: str, allowed: tuple[str, ...], what: str) -> Non
 
 def _multi30k_files(src: str, tgt: str) -> dict[str, LocalFile]:
     files = {}
-    for split, stem in MULTI30K_SPLITS.items():
+    for split, stem in multi30k_splits(src, tgt).items():
         for lang in (src, tgt):
             name = f"{stem}.{lang}"
             files[f"{split}.{lang}"] = LocalFile(
@@ -121,7 +130,7 @@ def _read_sentences(path: Path) -> tuple[list[str], str]:
 
 def _multi30k_local(src: str, tgt: str, local: LocalFiles) -> TranslationCorpus:
     splits, digests = {}, {}
-    for split in MULTI30K_SPLITS:
+    for split in multi30k_splits(src, tgt):
         ps, pt = local.found.get(f"{split}.{src}"), local.found.get(f"{split}.{tgt}")
         if ps is None and pt is None and split in MULTI30K_OPTIONAL_SPLITS:
             continue
@@ -161,8 +170,8 @@ def load_translation(
     """Load a translation corpus as raw (detokenized, cased) sentence pairs.
 
     Only "multi30k" is supported (Task 1). Local files: `multi30k/raw/{train,val,test_2016_flickr,test_2017_flickr,
-    test_2017_mscoco,test_2018_flickr}.{lang}.gz` as published (`test_2018_flickr` optional; uncompressed files
-    are accepted too). Line counts of the two languages must agree (else MalformedDataError naming both files).
+    test_2017_mscoco,test_2018_flickr}.{lang}.gz` as published (`test_2018_flickr` optional, the 2017 test sets
+    not read for Czech, which has none; uncompressed files are accepted too). Line counts of the two languages must agree (else MalformedDataError naming both files).
     Hub fallback: `bentrevett/multi30k` (train, valid, test_2016_flickr only). Sentences are stripped of surrounding
     whitespace. For newstest2014 use `load_newstest2014`.
     """
