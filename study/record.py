@@ -110,9 +110,10 @@ class RunDir:
     def write(self, record: dict[str, Any]) -> None:
         atomic_write_json(self.metrics, record)
 
-    def write_env(self, env: dict[str, Any]) -> None:
-        """env.json for the attempt starting now, the earlier attempts' environments kept under `earlier_attempts`."""
-        old = read_json_or_none(self.env)
+    def write_env(self, env: dict[str, Any], continues: bool) -> None:
+        """env.json for the attempt starting now; where it `continues` earlier attempts (a resumed run), their
+        environments are kept under `earlier_attempts` (a run started afresh has none: what was there is gone)."""
+        old = read_json_or_none(self.env) if continues else None
         if isinstance(old, dict):
             env = env | {"earlier_attempts": [*old.pop("earlier_attempts", []), old]}
         atomic_write_json(self.env, env)

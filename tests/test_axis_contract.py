@@ -153,11 +153,15 @@ def test_every_norm_and_position_is_a_subclass_of_its_contract():
     assert all(issubclass(cls, PositionScheme) for _, cls in POSITIONS.items())
 
 
-def test_t5_bias_refuses_an_odd_bucket_count_that_would_train_a_bucket_no_offset_reaches():
-    """A bidirectional stack gives each direction rel_buckets // 2 buckets: with 33, bucket 32 is never looked up."""
+def test_t5_bias_refuses_an_odd_bucket_count_where_a_bidirectional_stack_would_never_reach_a_bucket():
+    """A bidirectional stack gives each direction rel_buckets // 2 buckets: with 33, bucket 32 is never looked up. A
+    causal stack looks every bucket up, so a decoder may have 33."""
     from study.axes.position import t5_relative_bucket
 
     assert t5_relative_bucket(torch.arange(-500, 501), True, 33, 128).max() == 31
-    with pytest.raises(ConfigError, match="rel_buckets: t5_bias needs an even rel_buckets >= 4, got 33"):
-        ModelConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=10, max_seq_len=64, position="t5_bias",
-                    rel_buckets=33, arch="encoder", objective="mlm")
+    assert t5_relative_bucket(torch.arange(-500, 1), False, 33, 128).unique().numel() == 33
+    small = dict(d_model=16, n_heads=2, n_layers=1, vocab_size=10, max_seq_len=64, position="t5_bias", rel_buckets=33)
+    for arch in ("encoder", "encoder-decoder"):
+        with pytest.raises(ConfigError, match="rel_buckets: t5_bias in arch=.* needs an even rel_buckets, got 33"):
+            ModelConfig(**small, arch=arch)
+    ModelConfig(**small, arch="decoder")

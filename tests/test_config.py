@@ -186,6 +186,22 @@ def test_experiment_errors_list_every_section_with_its_prefix():
     assert {"model.window", "task.seq_len", "train.lr"} <= fields
 
 
+def test_multi30k_test_sets_are_checked_against_the_language_pair_before_any_data_is_read():
+    from study.config.task import TaskConfig
+
+    mt = dict(name="translation", dataset="multi30k", tokenizer="bpe", vocab_size=1000)
+    with pytest.raises(ConfigError) as err:  # the default test sets include 2017's, which Czech lacks
+        TaskConfig(**mt, src_lang="en", tgt_lang="cs")
+    assert err.value.problems == [
+        "test_sets: ['test_2017_flickr', 'test_2017_mscoco'] not in multi30k en-cs, whose test sets are "
+        "['test_2016_flickr', 'test_2018_flickr'] (Czech joined in 2018: it has no 2017 test sets)"]
+    TaskConfig(**mt, src_lang="en", tgt_lang="cs", test_sets=("test_2016_flickr", "test_2018_flickr"))
+    with pytest.raises(ConfigError, match=r"\['test_2016'\] not in multi30k de-en"):
+        TaskConfig(**mt, test_sets=("test_2016",))
+    with pytest.raises(ConfigError, match="test_sets: needs at least one"):
+        TaskConfig(**mt, test_sets=())
+
+
 def test_translation_needs_a_lossless_tokenizer():
     from study.config import TaskConfig
 

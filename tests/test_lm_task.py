@@ -478,6 +478,28 @@ def test_exact_resume_after_a_kill(main_run, corpus, monkeypatch):
     assert sorted(column_by_step(rows_b, "train/loss")) == [2, 5, 8, 11]  # history before the kill kept
 
 
+class KilledValidatingAfterStep6(LMModule):
+    def on_validation_batch_start(self, batch, batch_idx, dataloader_idx=0):
+        if self.global_step == 6:
+            raise Killed()
+
+
+def test_a_run_killed_while_it_validates_validates_again_when_resumed(main_run, corpus, monkeypatch):
+    """Killed during the validation after step 6, the run resumes from a checkpoint from before that validation
+    and runs it again: its validation curve has every point the uninterrupted run's has. (Lightning resumed from a
+    checkpoint saved before a validation by skipping it.)"""
+    cfg, d = main_run["cfg"], corpus["root"] / "killed-validating"
+    with monkeypatch.context() as mp:
+        mp.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, KilledValidatingAfterStep6))
+        with pytest.raises(Killed):
+            run(corpus, cfg, "killed-validating")
+    m = run(corpus, cfg, "killed-validating")
+    assert m["status"] == "completed" and m["metrics"] == main_run["metrics"]["metrics"]
+    rows_a, rows_b = read_csv(main_run["dir"] / "logs" / "metrics.csv"), read_csv(d / "logs" / "metrics.csv")
+    assert column_by_step(rows_b, "val/loss") == column_by_step(rows_a, "val/loss")
+    assert len(column_by_step(rows_a, "val/loss")) == 2
+
+
 def test_weight_ema_is_what_is_evaluated_saved_and_resumed(main_run, corpus, monkeypatch):
     """With train.ema_decay the model evaluated and saved is the moving average of the weights after every
     optimizer step, its decay warming up as min(decay, (1 + n) / (10 + n)); the weights trained are untouched (the

@@ -156,4 +156,5 @@ def test_a_point_that_spells_out_what_another_leaves_unset_is_the_same_run_and_t
     assert plan.duplicates == [("attention=mha-named", "baseline")]
     assert "skipped attention=mha-named: the same config as baseline" in describe(plan)
     baseline = plan.points[0]
-    assert baseline.point == content_hash(baseline.config.replace(name="x")) and baseline.config.model.n_kv_heads is None
+    assert baseline.point == content_hash(baseline.config.replace(name="x"))
+    assert baseline.config.model.n_kv_heads is None

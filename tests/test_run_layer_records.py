@@ -246,3 +246,14 @@ def test_a_pipeline_whose_shared_pretraining_another_pipeline_forced_anew_fine_t
     assert again["status"] == "completed" and started_from(part) == new
     assert (pre / "metrics.json").stat().st_mtime_ns == stamp  # the shared stage is not trained once more
     assert again["metrics"]["pretrain"] == b["metrics"]["pretrain"]
+
+
+def test_env_json_keeps_the_environments_of_the_attempts_a_run_continues_and_no_others(tmp_path):
+    """A resumed run may have begun on another machine: each attempt it continues keeps its environment, oldest
+    first. A run started afresh (forced, or its pretrained model replaced) continues nothing."""
+    run = RunDir(tmp_path)
+    for device in ("a", "b", "c"):
+        run.write_env({"device": device}, continues=True)
+    assert read_json(run.env) == {"device": "c", "earlier_attempts": [{"device": "a"}, {"device": "b"}]}
+    run.write_env({"device": "d"}, continues=False)
+    assert read_json(run.env) == {"device": "d"}

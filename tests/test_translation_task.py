@@ -398,9 +398,9 @@ def test_an_unknown_test_set_fails_before_training(split, data_root, tmp_path, m
         raise AssertionError("training started")
 
     monkeypatch.setattr(L.Trainer, "fit", no_fit)
-    cfg = config(task={"test_sets": ["test_2016_flickr", split]})
-    with pytest.raises(ValueError) as ei:
-        run_experiment(cfg, tmp_path / "run", data_dir=data_root, cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError) as ei:  # an unknown name: refused by the config; a known one absent: by the data
+        run_experiment(config(task={"test_sets": ["test_2016_flickr", split]}), tmp_path / "run", data_dir=data_root,
+                       cache_dir=tmp_path / "cache")
     msg = str(ei.value)
     # test_2018_flickr is a real Multi30k test set, optional in the release and absent from this folder
     assert "task.test_sets" in msg and split in msg and "test_2017_mscoco" in msg  # names what is available

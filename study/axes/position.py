@@ -275,10 +275,12 @@ class T5RelativeBias(PositionScheme):
 
     @classmethod
     def validate(cls, cfg, problems) -> None:
-        # an even count: a bidirectional stack gives each direction half the buckets (T5's num_buckets //= 2), so an
-        # odd count would train one bucket that no offset ever reaches
-        problems.check(cfg.rel_buckets >= 4 and cfg.rel_buckets % 2 == 0, "rel_buckets",
-                       f"t5_bias needs an even rel_buckets >= 4, got {cfg.rel_buckets}")
+        problems.check(cfg.rel_buckets >= 4, "rel_buckets", f"t5_bias needs rel_buckets >= 4, got {cfg.rel_buckets}")
+        # a bidirectional stack (an encoder's) gives each direction half the buckets (T5's num_buckets //= 2): an
+        # odd count would train a bucket no offset ever reaches; a causal stack uses every one
+        problems.check(cfg.arch == "decoder" or cfg.rel_buckets % 2 == 0, "rel_buckets",
+                       f"t5_bias in arch={cfg.arch!r} (a bidirectional encoder) needs an even rel_buckets, got "
+                       f"{cfg.rel_buckets}")
         # the log-spaced buckets start past the exact-offset ones: rel_buckets // 2 in a causal stack, and // 4 in a
         # bidirectional one (half the buckets per direction), so only an encoder-only model gets the lower bound
         exact = cfg.rel_buckets // 4 if cfg.arch == "encoder" else cfg.rel_buckets // 2

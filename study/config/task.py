@@ -20,6 +20,10 @@ TOKENIZERS = ("char", "word", "bpe", "wordpiece")
 # the tokenizer each dataset is conventionally measured with
 DEFAULT_TOKENIZER = {"tinyshakespeare": "char", "wikitext-2": "word", "multi30k": "bpe"}
 LANGS = ("de", "en", "fr", "cs")
+# Multi30k's test sets (Task 1), and those its release lacks in a language: Czech joined in 2018 (Barrault et al.
+# 2018), after the 2017 test sets were translated
+MULTI30K_TEST_SETS = ("test_2016_flickr", "test_2017_flickr", "test_2017_mscoco", "test_2018_flickr")
+MULTI30K_NOT_IN = {"cs": ("test_2017_flickr", "test_2017_mscoco")}
 POOLINGS = ("cls", "mean")
 # the task fields one GLUE task of a suite may set for itself (task.per_task); the rest are the suite's
 PER_TASK_FIELDS = ("epochs", "pooling", "seq_len")
@@ -104,6 +108,15 @@ class TaskConfig(Config):
     def arch(self) -> str:
         return TASKS[self.name][0]
 
+    def _validate_test_sets(self, p: Problems) -> None:
+        absent = {t for lang in (self.src_lang, self.tgt_lang) for t in MULTI30K_NOT_IN.get(lang, ())}
+        valid = [t for t in MULTI30K_TEST_SETS if t not in absent]
+        wrong = [t for t in self.test_sets if t not in valid]
+        why = " (Czech joined in 2018: it has no 2017 test sets)" if absent else ""
+        p.check(len(self.test_sets) >= 1 and not wrong, "test_sets",
+                f"{wrong} not in multi30k {self.src_lang}-{self.tgt_lang}, whose test sets are {valid}{why}" if wrong
+                else f"needs at least one of multi30k's test sets {valid}")
+
     def _validate(self, p: Problems) -> None:
         if p.choice("name", self.name, TASKS):
             p.choice("dataset", self.dataset, TASKS[self.name][1])
@@ -119,6 +132,8 @@ class TaskConfig(Config):
         p.choice("src_lang", self.src_lang, LANGS)
         p.choice("tgt_lang", self.tgt_lang, LANGS)
         p.check(self.src_lang != self.tgt_lang, "tgt_lang", "must differ from src_lang")
+        if self.name == "translation" and self.dataset == "multi30k":
+            self._validate_test_sets(p)
         p.check(self.beam_size >= 1, "beam_size", f"must be >= 1, got {self.beam_size}")
         p.check(self.length_penalty >= 0, "length_penalty", f"must be >= 0, got {self.length_penalty}")
         p.check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_b", "decode length a*|src|+b needs a >= 0, b >= 1")

@@ -106,7 +106,8 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
         discard_result(run)         # discard_result); a finished record here is one replaced_stage found stale
     if writes:
         atomic_write_text(run.config, cfg.to_yaml())
-        run.write_env(snapshot(cfg.first.train.precision, cfg.first.train.accelerator))
+        run.write_env(snapshot(cfg.first.train.precision, cfg.first.train.accelerator),
+                      continues=not (force or done is not None))
     ran: dict[str, tuple[Path, dict[str, Any]]] = {}
     for name, stage in cfg.stages.items():
         ref = stage_ref(stage.task.init_from)

@@ -45,6 +45,25 @@ def _checkpoint_io():
     return AtomicCheckpointIO()
 
 
+def _step_checkpoint(run: RunDir, every: int, validates_every: int):
+    """ModelCheckpoint every `every` steps, saved after the validation where the step validates. Lightning resumes
+    from a checkpoint saved before a step's validation by skipping that validation (it counts it as done), so a run
+    killed while validating lost that point of its validation curve; saved after it, a kill during the validation
+    resumes from the checkpoint before, and the validation runs again."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class StepCheckpoint(ModelCheckpoint):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            step = trainer.global_step
+            if step % every == 0 and step % validates_every == 0 and trainer.enable_validation:
+                self._defer_save_until_validation = True  # Lightning's own deferral, saved by on_validation_end
+                return
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    return StepCheckpoint(dirpath=run.checkpoints, filename="last", save_top_k=1, enable_version_counter=False,
+                          every_n_train_steps=every, save_on_train_epoch_end=False)
+
+
 def readable_checkpoint(run: RunDir) -> Path | None:
     """The run's last checkpoint when it can be read, else None. Checkpoints are written atomically, so an unreadable
     one was damaged from outside (a disk, a copy, a hand): it is moved aside with a warning (never deleted) and the
@@ -114,16 +133,17 @@ def _prepare_data(cfg: ExperimentConfig, data_dir, cache_dir):
     return dm, cfg.replace(model=cfg.model.replace(**dm.model_overrides()))
 
 
-def _write_inputs(run: RunDir, cfg: ExperimentConfig, dm) -> None:
-    """config.yaml (what runs), env.json, data.json and the task's artifacts (e.g. its tokenizer), on rank zero:
-    under DDP every rank runs this function and one writes the files."""
+def _write_inputs(run: RunDir, cfg: ExperimentConfig, dm, resumes: bool) -> None:
+    """config.yaml (what runs), env.json (`resumes`: beside the environments of the attempts it continues), data.json
+    and the task's artifacts (e.g. its tokenizer), on rank zero: under DDP every rank runs this function and one
+    writes the files."""
     from study.run.environment import cpu_kernels, snapshot
 
     if launch_rank() != 0:
         return
     atomic_write_text(run.config, cfg.to_yaml())
     kernels = cpu_kernels(cfg.model, cfg.train.accelerator, cfg.train.precision)
-    run.write_env(snapshot(cfg.train.precision, cfg.train.accelerator) | {"cpu_kernels": kernels})
+    run.write_env(snapshot(cfg.train.precision, cfg.train.accelerator) | {"cpu_kernels": kernels}, continues=resumes)
     atomic_write_json(run.data, dm.fingerprint)
     if hasattr(dm, "save_artifacts"):
         dm.save_artifacts(run.path)
@@ -151,16 +171,11 @@ def _loggers(run: RunDir, cfg: ExperimentConfig, resume_from: Path | None) -> li
 
 def _trainer(run: RunDir, cfg: ExperimentConfig, loggers: list):
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from study.tasks.base import ExponentialMovingAverage, SyncedTimer
 
     t = cfg.train
-    checkpoint = ModelCheckpoint(
-        dirpath=run.checkpoints, filename="last", save_top_k=1, enable_version_counter=False,
-        every_n_train_steps=t.checkpoint_every or t.eval_every, save_on_train_epoch_end=False,
-    )
-    callbacks: list = [checkpoint]
+    callbacks: list = [_step_checkpoint(run, t.checkpoint_every or t.eval_every, t.eval_every)]
     from study.run.progress import StepLines, StepProgressBar, run_name
 
     # a bar on a terminal; plain lines where the output is a log file (a sweep's trial.log)
@@ -246,7 +261,7 @@ def run_single(
     if (resume_from := readable_checkpoint(run)) is not None:
         refuse_other_data(run, dm.fingerprint)  # before data.json is rewritten with what was read now
     prepare_training_process(cfg.train.accelerator)  # before env.json records it
-    _write_inputs(run, cfg, dm)
+    _write_inputs(run, cfg, dm, resumes=resume_from is not None)
 
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     module = family_.implementation()[1](cfg)

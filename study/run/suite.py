@@ -58,7 +58,7 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
         discard_result(run)
     if writes:
         atomic_write_text(run.config, cfg.to_yaml())
-        run.write_env(snapshot(cfg.train.precision, cfg.train.accelerator))
+        run.write_env(snapshot(cfg.train.precision, cfg.train.accelerator), continues=not (force or replaced))
     results: dict[str, dict[str, Any]] = {}
     for part in parts:
         if part.skip_reason is not None:

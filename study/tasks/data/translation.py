@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from study.config.task import MULTI30K_NOT_IN
 from study.tasks.data.errors import DataError, MalformedDataError
 from study.tasks.data.sources import (
     DatasetSource,
@@ -34,9 +35,6 @@ MULTI30K_SPLITS = {
     "test_2018_flickr": "test_2018_flickr",
 }
 MULTI30K_OPTIONAL_SPLITS = ("test_2018_flickr",)
-# Splits the release does not have in a language: Czech joined in 2018 (Barrault et al. 2018), after the 2017 test
-# sets were translated, so an en-cs corpus has train, val, test_2016_flickr and test_2018_flickr.
-MULTI30K_NOT_IN = {"cs": ("test_2017_flickr", "test_2017_mscoco")}
 
 
 def multi30k_splits(src: str, tgt: str) -> dict[str, str]:
@@ -171,7 +169,8 @@ def load_translation(
 
     Only "multi30k" is supported (Task 1). Local files: `multi30k/raw/{train,val,test_2016_flickr,test_2017_flickr,
     test_2017_mscoco,test_2018_flickr}.{lang}.gz` as published (`test_2018_flickr` optional, the 2017 test sets
-    not read for Czech, which has none; uncompressed files are accepted too). Line counts of the two languages must agree (else MalformedDataError naming both files).
+    not read for Czech, which has none; uncompressed files are accepted too). Line counts of the two languages
+    must agree (else MalformedDataError naming both files).
     Hub fallback: `bentrevett/multi30k` (train, valid, test_2016_flickr only). Sentences are stripped of surrounding
     whitespace. For newstest2014 use `load_newstest2014`.
     """
