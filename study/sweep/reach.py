@@ -46,7 +46,9 @@ def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, pat
     task = family(exp.task.name)
     unread = task.unread_fields(exp)
     if not partly:  # (a `set` of max_seq_len is kept for the points with a position table, as a config keeps it)
-        unread |= task.overridden_fields(exp) | {f"model.{n}": why for n, why in exp.model.unread_fields().items()}
+        unread |= task.overridden_fields(exp) | {
+            f"model.{n}": f"{why} (vary it only where the position does: an axis with `when: {{position: ...}}`, or "
+                          "state it in the base config or `set`)" for n, why in exp.model.unread_fields().items()}
     why = unread.get(field)
     if why is not None:
         return f"{path} does not reach the trained model: {why}"
