@@ -67,3 +67,12 @@ def test_a_study_in_stages_is_charged_each_shared_stage_once_as_it_trains(overri
             pretraining[key] = training_flops(stage)
             finetuning += training_flops(p.config.stages["glue"])
     assert estimate(plan, rate_flops=1e12)["train_flops"] == pytest.approx(sum(pretraining.values()) + finetuning)
+
+
+def test_a_trial_on_two_devices_trains_twice_the_tokens_per_step():
+    """train.batch_size is per device: under DDP each of train.devices ranks takes its own batch every step."""
+    from study.config import load_experiment
+
+    cfg = load_experiment(REPO / "experiments" / "ablation_base.yaml")
+    two = cfg.replace(train=cfg.train.replace(devices=2, strategy="ddp"))
+    assert training_flops(two) == 2 * training_flops(cfg)

@@ -325,6 +325,30 @@ def test_per_task_settings_apply_to_that_task_only(data, pretrained, tmp_path):
     assert ExperimentConfig.from_yaml((run / "config.yaml").read_text()).task.per_task == cfg.task.per_task
 
 
+def test_task_epochs_count_the_examples_every_device_takes_in_a_step(data):
+    """Under DDP each device takes its own batch_size examples per optimizer step: two devices pass over the
+    training set in half the steps, so task.epochs passes are half as many steps."""
+    from study.tasks import family
+
+    cfg = glue_cfg(glue_tasks=("sst2",), epochs=1)
+    cfg = cfg.replace(train=cfg.train.replace(max_steps=100))
+    (one,) = family("glue").sub_runs(cfg, data)
+    (two,) = family("glue").sub_runs(cfg.replace(train=cfg.train.replace(devices=2, strategy="ddp")), data)
+    assert one.config.train.max_steps == 6 and two.config.train.max_steps == 3  # 48 examples, 8 a batch
+
+
+def test_a_seed_without_a_score_gets_no_mean_and_is_never_the_submitted_one():
+    """STS-B's Pearson of a constant prediction is NaN: the task has no score (as a diverged seed leaves it), and the
+    best seed is one with a score."""
+    from study.tasks.glue import _aggregate
+
+    runs = {"0": {"status": "completed", "steps": 5, "score": float("nan"), "pearson": float("nan")},
+            "1": {"status": "completed", "steps": 5, "score": 60.0, "pearson": 60.0}}
+    for order in (runs, dict(reversed(runs.items()))):
+        out = _aggregate("stsb", order)
+        assert out["best_seed"] == "1" and out["score_mean"] is None
+
+
 def test_init_from_missing_or_incompatible_fails_before_training(data, tmp_path):
     with pytest.raises(ValueError, match="task.init_from: .* does not exist"):
         run_experiment(glue_cfg(init_from=str(tmp_path / "nope")), tmp_path / "a", data_dir=data)

@@ -321,6 +321,25 @@ def test_datamodule_batches(wikitext, tmp_path):
     assert dm_off.fingerprint["format"] == "full-sentences"
 
 
+def test_every_run_is_scored_on_the_same_validation_masks_whatever_its_batch_size(wikitext, tmp_path):
+    """A sweep over train.batch_size compares validation losses: each example's masks depend on the example alone,
+    not on the batch it lands in or how wide that batch is padded."""
+    def masked_examples(batch_size):
+        cfg = make_cfg(nsp=True)
+        dm = PretrainDataModule(cfg.replace(train=cfg.train.replace(batch_size=batch_size)), data_dir=wikitext,
+                                cache_dir=tmp_path)
+        dm.prepare()
+        rows = []
+        for b in dm.eval_batches("valid", nsp=True):
+            for ids, labels, keep in zip(b["input_ids"], b["labels"], b["input_ids"] != PAD):
+                rows.append((ids[keep].tolist(), labels[keep].tolist()))
+        return rows
+
+    four, two = masked_examples(4), masked_examples(2)
+    assert len(four) > 4 and four == two
+    assert any(label != IGNORE for _, labels in four for label in labels)  # something is masked
+
+
 @pytest.mark.parametrize("nsp", [True, False])
 def test_pretrain_end_to_end(wikitext, tmp_path, nsp):
     cfg = make_cfg(nsp=nsp)

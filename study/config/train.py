@@ -17,7 +17,7 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 class TrainConfig(Config):
     max_steps: int = 1000
     max_time_s: float | None = None  # wall-clock training budget; stops cleanly when spent
-    batch_size: int = 32  # sequences (lm, pretrain, glue) or sentence pairs (translation)
+    batch_size: int = 32  # per device: sequences (lm, pretrain, glue) or sentence pairs (translation)
     accumulate: int = 1
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # floor of cosine/linear decay, as a fraction of lr

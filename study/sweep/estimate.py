@@ -77,7 +77,7 @@ def training_flops(cfg: ExperimentConfig | PipelineConfig) -> float:
         return sum(training_flops(stage) for stage in cfg.stages.values())
     total = 0.0
     for part in _parts(cfg):
-        tokens_per_step = part.train.batch_size * part.train.accumulate * part.task.seq_len
+        tokens_per_step = part.train.batch_size * part.train.accumulate * part.train.devices * part.task.seq_len
         model = part.model.replace(vocab_size=_planning_vocab(part))
         fraction = family(part.task.name).predicted_fraction(part)
         total += flops_per_token(model, part.task.seq_len, predicted_fraction=fraction) * tokens_per_step * \

@@ -21,7 +21,8 @@ selected positions only, with the output projection fused into the cross-entropy
 (tokens, vocabulary) logits of the 85% unselected positions are never computed. Loss = MLM + NSP, as BERT's;
 `task.nsp_weight` scales the NSP term.
 
-The validation split is built once with fixed seeds, so every run is scored on the same inputs and masks.
+The validation split is built once with fixed seeds, so every run is scored on the same inputs and masks (each
+example masked from its own seed, whatever the batch size).
 Final metrics: MLM loss / perplexity on the validation split, NSP loss / accuracy (with NSP), and the MLM loss of
 the validation text in the FULL-SENTENCES format, which is the same input for a model trained with NSP or without.
 
@@ -199,7 +200,22 @@ def single_example(x: list[int]) -> tuple[list[int], list[int]]:
 
 
 def masked_batch(batch: dict[str, torch.Tensor], vocab_size: int, probability: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    inputs, labels = mask_tokens(batch["input_ids"], vocab_size, probability, generator)
+    return _with_masks(batch, *mask_tokens(batch["input_ids"], vocab_size, probability, generator))
+
+
+def each_masked_alone(examples: Sequence[tuple[list[int], list[int]]], labels: Sequence[int] | None, first: int,
+                      vocab_size: int, probability: float) -> dict[str, torch.Tensor]:
+    """A batch whose example k is masked from (VALID_SEED, first + k) over its own tokens: its masks do not depend on
+    which batch it is in, or on how wide that batch is padded (the batch size)."""
+    batch = collate(examples, labels)
+    inputs, targets = batch["input_ids"].clone(), torch.full_like(batch["input_ids"], IGNORE)
+    for k, (ids, _) in enumerate(examples):
+        x, y = mask_tokens(torch.tensor([ids]), vocab_size, probability, seeded_generator(VALID_SEED, first + k))
+        inputs[k, : len(ids)], targets[k, : len(ids)] = x[0], y[0]
+    return _with_masks(batch, inputs, targets)
+
+
+def _with_masks(batch: dict[str, torch.Tensor], inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
     # where the MLM head runs, as indices into the flattened (B*T) positions, found here on the host: selecting them
     # on the device with the boolean mask would make every training step wait for the device to count them
     positions = (labels.flatten() != IGNORE).nonzero().squeeze(1)
@@ -314,15 +330,12 @@ class PretrainDataModule(StudyDataModule):
                             seeded_generator(self.cfg.train.seed, i))
 
     def eval_batches(self, split: str, nsp: bool) -> list[dict[str, torch.Tensor]]:
-        """Fixed inputs and masks for a split (the same for every run with this data and seq_len)."""
+        """Fixed inputs and masks for a split: the same for every run with this data, seq_len and mlm_probability,
+        whatever its batch size (each example masked alone)."""
         examples, labels = self.examples(split, nsp, random.Random(VALID_SEED))
-        bs = self.cfg.train.batch_size
-        gen = torch.Generator().manual_seed(VALID_SEED)
-        out = []
-        for k in range(0, len(examples), bs):
-            batch = collate(examples[k : k + bs], labels[k : k + bs] if labels is not None else None)
-            out.append(masked_batch(batch, self.tokenizer.vocab_size, self.cfg.task.mlm_probability, gen))
-        return out
+        bs, vocab, p = self.cfg.train.batch_size, self.tokenizer.vocab_size, self.cfg.task.mlm_probability
+        return [each_masked_alone(examples[k : k + bs], None if labels is None else labels[k : k + bs], k, vocab, p)
+                for k in range(0, len(examples), bs)]
 
     def val_dataloader(self):
         return self._loader(self.valid_batches, batch_size=None)

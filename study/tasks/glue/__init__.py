@@ -158,9 +158,10 @@ class Glue(TaskFamily):
             task_cfg = cfg.for_glue_task(name)
             t = task_cfg.train
             steps = t.max_steps
-            if task_cfg.task.epochs is not None:
+            if task_cfg.task.epochs is not None:  # an optimizer step takes batch_size examples on each device
                 n_train = len(data[data.train_split])
-                steps = max(1, min(steps, math.ceil(task_cfg.task.epochs * n_train / (t.batch_size * t.accumulate))))
+                per_step = t.batch_size * t.accumulate * t.devices
+                steps = max(1, min(steps, math.ceil(task_cfg.task.epochs * n_train / per_step)))
             for seed in seeds:
                 parts.append(SubRun(f"{name}/seed{seed}", task_cfg.replace(
                     name=f"{cfg.name}.{name}.seed{seed}",
@@ -262,14 +263,15 @@ def _by_task(results: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, An
 
 def _aggregate(name: str, seed_runs: dict[str, Any]) -> dict[str, Any]:
     """Mean and sample standard deviation over the seeds of every metric and of the task score; none when a seed
-    did not finish (a mean over the seeds that survived would be biased towards them). `best_seed`, whose test
-    predictions go to submission/, is the best of the seeds that finished."""
+    did not finish or has no score (a mean over the seeds that survived would be biased towards them). `best_seed`,
+    whose test predictions go to submission/, is the best of the seeds that finished with a score."""
     info = glue_task_info(name)
     done = {s: r for s, r in seed_runs.items() if r["status"] == "completed" and "score" in r}
     out: dict[str, Any] = {"seeds": seed_runs, "metrics": list(info.metrics)}
-    if done:
-        out["best_seed"] = max(done, key=lambda s: done[s]["score"])
-    if not done or len(done) < len(seed_runs):
+    scored = {s: r for s, r in done.items() if math.isfinite(r["score"])}  # (STS-B's Pearson of a constant: NaN)
+    if scored:
+        out["best_seed"] = max(scored, key=lambda s: scored[s]["score"])
+    if not scored or len(scored) < len(seed_runs):
         return {**out, "score_mean": None}
     keys = [k for k, v in next(iter(done.values())).items() if isinstance(v, float) and k != "score"]
     out["mean"], out["std"] = {}, {}
