@@ -96,7 +96,10 @@ def test_a_pretraining_sweep_over_nsp_refuses_an_nsp_objective(tmp_path):
 
     text = refused(tmp_path, **PRETRAIN, axes={"model.nsp": [True, False]}, objective={"metric": "valid_nsp_accuracy"})
     assert "model.nsp is false" in text and "valid_nsp_accuracy is never written" in text
-    check(plan_of(tmp_path, **PRETRAIN, axes={"model.nsp": [True, False]}, objective={"metric": "valid_mlm_loss"}))
+    text = refused(tmp_path, **PRETRAIN, axes={"model.nsp": [True, False]}, objective={"metric": "valid_mlm_loss"})
+    assert "valid_mlm_loss measures something else where" in text and "model.nsp=True" in text  # its own input format
+    check(plan_of(tmp_path, **PRETRAIN, axes={"model.nsp": [True, False]},
+                  objective={"metric": "valid_mlm_loss_full_sentences"}))
 
 
 def test_a_set_field_that_never_reaches_the_model_is_refused_as_an_axis_value_would_be(tmp_path):
@@ -158,3 +161,24 @@ def test_a_point_that_spells_out_what_another_leaves_unset_is_the_same_run_and_t
     baseline = plan.points[0]
     assert baseline.point == content_hash(baseline.config.replace(name="x"))
     assert baseline.config.model.n_kv_heads is None
+
+
+def test_an_objective_whose_meaning_an_axis_changes_cannot_rank_the_points(tmp_path):
+    """A loss per token is per token of the tokenizer: lowercased text, or another vocabulary, is another metric under
+    the same name. BLEU does not depend on the vocabulary; it does on the casing."""
+    from test_sweep_refusals import EXPERIMENTS, PRETRAIN
+
+    text = refused(tmp_path, **LM, axes={"task.lowercase": [False, True]})
+    assert "objective: valid_loss measures something else where" in text
+    assert "task.lowercase=False" in text and "task.lowercase=True (at lowercase=true)" in text
+    mt = {"base": str(EXPERIMENTS / "multi30k_de_en.yaml"), "set": {"train.precision": "32-true"}}
+    vocab = {"task.vocab_size": [8000, 4000]}
+    check(plan_of(tmp_path, **mt, axes=vocab, objective={"metric": "bleu"}))
+    assert "valid_loss measures something else" in refused(tmp_path, **mt, axes=vocab,
+                                                            objective={"metric": "valid_loss"})
+    assert "bleu measures something else" in refused(tmp_path, **mt, axes={"task.lowercase": [False, True]},
+                                                      objective={"metric": "bleu"})
+    # a tuned share of masked tokens: each trial predicts other tokens from less context
+    tune = {"field": "task.mlm_probability", "low": 0.1, "high": 0.4, "log": False}
+    assert "tune.field: task.mlm_probability decides what the objective valid_mlm_loss measures" in refused(
+        tmp_path, **PRETRAIN, tune=tune, axes={"model.norm": ["layernorm"]})

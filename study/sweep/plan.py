@@ -431,7 +431,26 @@ def _objective_at_every_point(plan: Plan) -> tuple[dict[str, Any], list[str]]:
         out.append(f"objective: {objective.get('metric')} is declared differently at different points: " + "; ".join(
             f"{d['direction']} ({d.get('scale')}, task {d['task']!r}) at {', '.join(labels)}"
             for d, labels in ((dict(k), v) for k, v in declared.items())))
+    elif not problems and (problem := _defined_differently(plan, objective["metric"])):
+        out.append(problem)
     return objective, out
+
+
+def _defined_differently(plan: Plan, metric: str) -> str | None:
+    """Why `metric` cannot rank the points: the fields that decide what it measures (a per-token loss's tokenizer,
+    BLEU's casing) differ between them. None when they agree at every point."""
+    from study.sweep import reach
+
+    by_value: dict[str, list[str]] = {}
+    for p in plan.points:
+        definition = reach.objective_definition(plan.spec, p.config, metric)
+        by_value.setdefault(", ".join(f"{k}={v!r}" for k, v in definition.items()), []).append(p.label)
+    if len(by_value) < 2:
+        return None
+    return (f"objective: {metric} measures something else where " + "; ".join(
+        f"{value} (at {', '.join(labels)})" for value, labels in by_value.items()) + ": one name, different metrics "
+        "(a loss per token of another tokenizer, BLEU of another casing), which cannot rank the points; keep those "
+        "fields the same, or rank by a metric they do not decide")
 
 
 def _objective(plan: Plan) -> None:
@@ -447,6 +466,13 @@ def _objective(plan: Plan) -> None:
                             f"that is minimised; {plan.objective.get('metric')} is maximised")
     if tune and problem is None and (split_problem := _tune_split_problem(plan)) is not None:
         plan.refused.append(split_problem)
+    if tune and problem is None and plan.points:
+        from study.sweep import reach
+
+        field, metric = plan.spec.tune["field"], plan.objective["metric"]
+        if field in reach.objective_definition(plan.spec, plan.points[0].config, metric):
+            plan.refused.append(f"tune.field: {field} decides what the objective {metric} measures (a loss per token "
+                                "of another tokenizer, BLEU of another casing): its trials could not be ranked by it")
     if tune and plan.spec.stages and problem is None:
         if (stage_problem := _tune_stage_problem(plan.spec, plan.objective["metric"])) is not None:
             plan.refused.append(stage_problem)

@@ -118,6 +118,15 @@ def objective(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig) -> tupl
     return {"metric": metric, "direction": declared.direction, "scale": declared.scale, "task": task.name}, None
 
 
+def objective_definition(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, metric: str) -> dict[str, Any]:
+    """The values at this point of the fields that decide what the objective `metric` measures (its declared
+    `defined_by`): points that differ in them measure different things under one name."""
+    stage, name = stage_metric(metric, spec.stage_names)
+    exp = resolved_stage(cfg, stage)
+    declared = family(exp.task.name).metric(name)
+    return {path: field_value(exp, path) for path in (declared.defined_by if declared else ())}
+
+
 def contracts(cfg: ExperimentConfig | PipelineConfig) -> dict[str, dict[str, Any]]:
     """The declarations of every task family a point runs, as plan.json records them for the report."""
     stages = cfg.stages.values() if isinstance(cfg, PipelineConfig) else [cfg]

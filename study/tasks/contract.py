@@ -45,7 +45,10 @@ class MetricSpec:
     measures (decode time, the KV cache held): reports set it beside the quality metrics. `split` is the data the
     metric is measured on: 'valid' (which a sweep may tune on), 'test' (which must never choose what it then
     scores), None for neither or not one split (costs, training-data counts), or SPLIT_FROM_NAME where the key's
-    first word says it (`split_of`)."""
+    first word says it (`split_of`). `defined_by` are the config fields (`section.field`) that decide what the
+    metric measures: a loss per token is per token of the tokenizer task.tokenizer and task.vocab_size make, BLEU
+    with task.lowercase scores an easier task. Values measured under different settings of them are different
+    metrics under one name, and cannot rank one sweep."""
 
     name: str
     direction: str
@@ -55,6 +58,7 @@ class MetricSpec:
     description: str = ""
     cost: bool = False
     split: str | None = None
+    defined_by: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
@@ -81,7 +85,13 @@ class MetricSpec:
         return self.name if self.split_of(self.name) == split else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "name"}
+        """The declaration as records hold it (no `defined_by` where it is empty, as in records from before it)."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "name"}
+        if not self.defined_by:
+            del out["defined_by"]
+        else:
+            out["defined_by"] = list(self.defined_by)
+        return out
 
 
 @dataclass(frozen=True)

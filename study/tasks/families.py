@@ -13,6 +13,12 @@ from study.config import ExperimentConfig
 from study.tasks.contract import SPLIT_FROM_NAME, MetricSpec, TaskFamily
 
 _UNIFORM = "ln(vocabulary size) nats for a uniform prediction; the unigram entropy for the best constant one"
+# what one token of a per-token metric is: the tokenizer, its vocabulary and the text it reads decide it
+TOKENS = ("task.tokenizer", "task.vocab_size", "task.lowercase")
+# lowercased BLEU and chrF score an easier task than cased ones (sacreBLEU's signature: case:lc)
+CASING = ("task.lowercase",)
+# a masked-token loss also depends on how many tokens are masked (a larger share leaves less context to predict from)
+MASKED_TOKENS = (*TOKENS, "task.mlm_probability")
 
 
 class LanguageModelling(TaskFamily):
@@ -21,21 +27,22 @@ class LanguageModelling(TaskFamily):
     name = "lm"
     metrics = (
         MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, description="validation cross-entropy",
-                   split="valid"),
+                   split="valid", defined_by=TOKENS),
         MetricSpec("valid_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
-                   split="valid"),
+                   split="valid", defined_by=TOKENS),
         MetricSpec("test_loss", "minimize", "nats/token", _UNIFORM, description="written when the corpus has a test "
-                   "split (WikiText-2; not Tiny Shakespeare)", split="test"),
-        MetricSpec("test_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction", split="test"),
+                   "split (WikiText-2; not Tiny Shakespeare)", split="test", defined_by=TOKENS),
+        MetricSpec("test_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction", split="test",
+                   defined_by=TOKENS),
         # measured on the corpus's last split, which the key names: test on WikiText-2, valid on Tiny Shakespeare
         MetricSpec("*_ppl_by_length.*", "minimize", "perplexity",
                    "the vocabulary size for a uniform prediction", objective=False,
                    description="perplexity at each evaluation length (key: tokens) on the last split; 'n/a' where "
                                "a position table cannot reach or the split holds no window of that length",
-                   split=SPLIT_FROM_NAME),
+                   split=SPLIT_FROM_NAME, defined_by=TOKENS),
         MetricSpec("*_ppl_at_2x", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
                    description="perplexity at twice the training length (Press et al. 2022's extrapolation test)",
-                   split=SPLIT_FROM_NAME),
+                   split=SPLIT_FROM_NAME, defined_by=TOKENS),
     )
     default_objective = "valid_loss"
     reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "eval_lengths", "eval_tokens"})
@@ -69,15 +76,17 @@ class Translation(TaskFamily):
     metrics = (
         MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, split="valid",
                    description="mean token cross-entropy of the final model on the whole validation split (no label "
-                               "smoothing): the objective a tuning may choose by, as BLEU is measured on test sets"),
+                               "smoothing): the objective a tuning may choose by, as BLEU is measured on test sets",
+                   defined_by=(*TOKENS, "task.joint_vocab")),
         MetricSpec("bleu", "maximize", "BLEU (0-100)", "about 0 (a constant sentence shares few n-grams)",
                    description="sacreBLEU on the first of task.test_sets, detokenized (13a); cased unless "
-                               "task.lowercase (the record's signature says which)", split="test"),
+                               "task.lowercase (the record's signature says which)", split="test",
+                   defined_by=CASING),
         MetricSpec("chrf", "maximize", "chrF (0-100)", "a few points (character n-grams of a constant sentence)",
                    description="sacreBLEU's chrF on the first of task.test_sets; cased unless task.lowercase",
-                   split="test"),
-        MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0", split="test"),
-        MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points", split="test"),
+                   split="test", defined_by=CASING),
+        MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0", split="test", defined_by=CASING),
+        MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points", split="test", defined_by=CASING),
         MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False, cost=True,
                    description="wall time of beam-search decoding of the test set (a measured cost)", split="test"),
         MetricSpec("test_sets.*.kv_cache_peak_bytes", "minimize", "bytes", "-", objective=False, cost=True,
@@ -120,13 +129,14 @@ class Pretraining(TaskFamily):
     metrics = (
         MetricSpec("valid_mlm_loss", "minimize", "nats/masked token", _UNIFORM,
                    description="MLM cross-entropy on the validation split in the model's own input format "
-                               "(segment pairs with NSP, full sentences without)", split="valid"),
+                               "(segment pairs with NSP, full sentences without)", split="valid",
+                   defined_by=(*MASKED_TOKENS, "model.nsp")),
         MetricSpec("valid_mlm_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
-                   split="valid"),
+                   split="valid", defined_by=(*MASKED_TOKENS, "model.nsp")),
         MetricSpec("valid_mlm_loss_full_sentences", "minimize", "nats/masked token", _UNIFORM,
                    description="MLM cross-entropy on the validation text in the FULL-SENTENCES format: the same "
                                "input for a model trained with NSP or without, so the one to compare across them",
-                   split="valid"),
+                   split="valid", defined_by=MASKED_TOKENS),
         MetricSpec("valid_nsp_accuracy", "maximize", "fraction (0-1)",
                    "the majority label's share of the validation pairs (about 0.5)",
                    description="next-sentence prediction accuracy (written with model.nsp only)", split="valid"),
