@@ -726,3 +726,16 @@ def test_a_vocab_size_above_what_the_data_yields_is_refused(kind, tmp_path):
     with pytest.raises(DataError, match=r"vocab_size=2000 is more than this data yields: .* use vocab_size <= \d+"):
         build_tokenizer(kind, texts, vocab_size=2000, special_tokens=["<pad>", "<unk>"], cache_dir=tmp_path)
     assert not list(tmp_path.glob("*.json"))  # nothing cached under the size it does not have
+
+
+def test_lm_text_is_cut_into_lines_at_newlines_only():
+    """The word and subword tokenizers read an LM split line by line: a form feed, a file separator or U+2028 inside
+    a line stays inside it (str.splitlines would cut there, and change the tokens and the perplexity's count)."""
+    from study.tasks.data.sources import lines_with_ends
+
+    plain = "a b\n\n c \r\nlast"
+    assert lines_with_ends(plain) == plain.splitlines(keepends=True)
+    assert lines_with_ends(plain + "\n") == (plain + "\n").splitlines(keepends=True)
+    odd = "ab\x1ccd\x0cef\u2028gh\nnext\n"
+    assert lines_with_ends(odd) == ["ab\x1ccd\x0cef\u2028gh\n", "next\n"] and "".join(lines_with_ends(odd)) == odd
+    assert lines_with_ends("") == []

@@ -88,9 +88,10 @@ class Translation(TaskFamily):
         MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0", split="test", defined_by=CASING),
         MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points", split="test", defined_by=CASING),
         MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False, cost=True,
-                   description="wall time of beam-search decoding of the test set (a measured cost)", split="test"),
+                   description="wall time of decoding the test set (beam search of task.beam_size; greedy at 1), "
+                               "its tokenization and detokenization included (a measured cost)", split="test"),
         MetricSpec("test_sets.*.kv_cache_peak_bytes", "minimize", "bytes", "-", objective=False, cost=True,
-                   description="the most bytes the KV cache held while a batch of 100 sentences was beam-searched "
+                   description="the most bytes the KV cache held while a batch of 100 sentences was decoded "
                                "(each hypothesis's self-attention K/V and each sentence's cross-attention K/V, shared "
                                "by its hypotheses; measured from the cache's tensors)", split="test"),
         MetricSpec("test_sets.*.sentences", "maximize", "count", "-", objective=False, split="test"),

@@ -24,6 +24,7 @@ from study.record import NOT_APPLICABLE
 from study.tasks.base import StepIndexedBatches, StudyDataModule, StudyModule, seeded_generator
 from study.tasks.families import LanguageModelling  # noqa: F401 - its declaration, importable from here too
 from study.tasks.data import build_lm_tokenizer, load_lm_corpus
+from study.tasks.data.sources import lines_with_ends
 
 class LMDataModule(StudyDataModule):
     def __init__(self, cfg: ExperimentConfig, data_dir: str | Path | None = None, cache_dir: str | Path | None = None):
@@ -42,7 +43,7 @@ class LMDataModule(StudyDataModule):
             if task.tokenizer == "char":
                 ids = self.tokenizer.encode(text)
             else:
-                ids = [i for line in self.tokenizer.encode_batch(text.splitlines(keepends=True)) for i in line]
+                ids = [i for line in self.tokenizer.encode_batch(lines_with_ends(text)) for i in line]
             self.ids[split] = torch.tensor(ids, dtype=torch.long)
         if len(self.ids["train"]) <= task.seq_len:
             raise ValueError(f"task.seq_len={task.seq_len} is not shorter than the {task.dataset} training split "

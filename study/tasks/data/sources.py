@@ -112,6 +112,13 @@ def split_lines(text: str) -> list[str]:
     return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
 
 
+def lines_with_ends(text: str) -> list[str]:
+    """The text's lines, each with its '\n' (the last without one when the text does not end in '\n'): split on
+    '\n' only, as `split_lines`, so a form feed or U+2028 inside a line stays inside its token."""
+    parts = text.split("\n")
+    return [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Locating a dataset's local files
 

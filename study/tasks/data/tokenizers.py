@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from study.tasks.data.errors import DataError
+from study.tasks.data.sources import lines_with_ends
 
 if TYPE_CHECKING:  # pragma: no cover
     from study.tasks.data.lm import LMCorpus
@@ -459,6 +460,6 @@ def build_lm_tokenizer(
     if kind == "word" and corpus.unk_token and "unk_token" not in options:
         options["unk_token"] = corpus.unk_token
     train = corpus.splits["train"]
-    texts: list[str] = [train] if kind == "char" else train.splitlines(keepends=True)
+    texts: list[str] = [train] if kind == "char" else lines_with_ends(train)
     fp = {"corpus": corpus.fingerprint, "name": corpus.name, "split": "train"}
     return build_tokenizer(kind, texts, vocab_size, special_tokens, cache_dir, fp, **options)
