@@ -204,9 +204,10 @@ class TranslationModule(StudyModule):
             # a lowercased model is scored case-insensitively, and the signature says so (case:lc)
             bleu = sacrebleu.metrics.BLEU(lowercase=self.cfg.task.lowercase)
             chrf = sacrebleu.metrics.CHRF(lowercase=self.cfg.task.lowercase)
-            results[split] = {
-                "bleu": bleu.corpus_score(hyps, [refs]).score,
-                "chrf": chrf.corpus_score(hyps, [refs]).score,
+            scores = (bleu.corpus_score(hyps, [refs]).score, chrf.corpus_score(hyps, [refs]).score)  # before the
+            results[split] = {  # signatures, which name the number of references only once a corpus was scored
+                "bleu": scores[0],
+                "chrf": scores[1],
                 "bleu_signature": str(bleu.get_signature()),
                 "chrf_signature": str(chrf.get_signature()),
                 "decode_seconds": seconds,
