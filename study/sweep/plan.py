@@ -469,8 +469,10 @@ def _objective(plan: Plan) -> None:
     if tune and problem is None and plan.points:
         from study.sweep import reach
 
-        field, metric = plan.spec.tune["field"], plan.objective["metric"]
-        if field in reach.objective_definition(plan.spec, plan.points[0].config, metric):
+        field, metric, stages = plan.spec.tune["field"], plan.objective["metric"], plan.spec.stage_names
+        stage, bare = route(field, stages)  # (a stage's field decides the metric of that stage's run only)
+        if stage == reach.objective_stage(metric, stages) and \
+                bare in reach.objective_definition(plan.spec, plan.points[0].config, metric):
             plan.refused.append(f"tune.field: {field} decides what the objective {metric} measures (a loss per token "
                                 "of another tokenizer, BLEU of another casing): its trials could not be ranked by it")
     if tune and plan.spec.stages and problem is None:

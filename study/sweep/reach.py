@@ -122,7 +122,7 @@ def objective_definition(spec: SweepConfig, cfg: ExperimentConfig | PipelineConf
     """The values at this point of the fields that decide what the objective `metric` measures (its declared
     `defined_by`): points that differ in them measure different things under one name."""
     stage, name = stage_metric(metric, spec.stage_names)
-    exp = resolved_stage(cfg, stage)
+    exp = stage_config(cfg, stage)  # (as asked: resolving decides model fields, never these task fields)
     declared = family(exp.task.name).metric(name)
     return {path: field_value(exp, path) for path in (declared.defined_by if declared else ())}
 
