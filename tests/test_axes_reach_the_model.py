@@ -59,7 +59,8 @@ def pretrain() -> dict:
     base = copy.deepcopy(PRETRAIN_BASE)
     base["train"] = {**base["train"], **FAST}
     base["model"].update(SMALL)
-    return {"base": base}
+    # the same input format with NSP and without: the MLM loss in each model's own format measures two things
+    return {"base": base, "objective": {"metric": "valid_mlm_loss_full_sentences"}}
 
 
 def pipeline() -> dict:

@@ -332,8 +332,9 @@ def test_the_tuned_field_and_an_axis_are_one_field_however_spelled_in_a_study_in
 def test_tuning_a_stage_the_objectives_stage_does_not_start_from_is_refused_naming_both():
     tune = {"field": "glue.train.weight_decay", "low": 0.0, "high": 0.3, "log": False, "trials": 2}
     with pytest.raises(SweepSpecError, match="glue.train.weight_decay is the glue stage's, and the objective "
-                                             "pretrain.valid_mlm_loss is measured in the pretrain stage"):
-        _staged(objective={"metric": "pretrain.valid_mlm_loss"}, tune=tune)
+                                             "pretrain.valid_mlm_loss_full_sentences is measured in the pretrain "
+                                             "stage"):
+        _staged(objective={"metric": "pretrain.valid_mlm_loss_full_sentences"}, tune=tune)
     _staged(tune=tune)  # the objective glue_score is measured where it is tuned
     _staged(tune={**tune, "field": "pretrain.train.lr", "low": 1e-4, "log": True})  # ... or in a stage after it
 
@@ -343,7 +344,7 @@ def test_median_pruning_in_a_study_in_stages_reads_the_log_of_the_objectives_sta
     from study.run.pipeline import stage_dir
 
     tune = {"field": "pretrain.train.lr", "low": 1e-4, "high": 3e-3, "trials": 2, "pruner": "median"}
-    plan = _staged(objective={"metric": "pretrain.valid_mlm_loss"}, tune=tune).to_dict()
+    plan = _staged(objective={"metric": "pretrain.valid_mlm_loss_full_sentences"}, tune=tune).to_dict()
     layout = SweepLayout(tmp_path / "results" / "nsp-glue")
     data = plan["points"][0]["config"]
     data["stages"]["pretrain"]["train"]["lr"] = 1.5e-3  # a tuning trial's setting
