@@ -215,6 +215,25 @@ def test_a_worker_interrupted_while_it_opens_its_trials_log_gives_the_trial_back
     assert _outcomes(run_dir) == ["interrupted"]
 
 
+def test_a_worker_interrupted_as_it_announces_a_trial_gives_the_trial_back(tmp_path, monkeypatch):
+    """The line that names a claimed trial is written once the trial is this worker's: an interrupt there gives
+    the trial back, as anywhere after the claim."""
+    plan, layout, url, queue = _sweep(tmp_path, **ONE_POINT)
+    announce = worker.log.info
+
+    def interrupted_announcement(message, *args):
+        if message.startswith("%s: trial %d %s%s seed %d (attempt %d)"):
+            raise KeyboardInterrupt
+        announce(message, *args)
+
+    monkeypatch.setattr(worker, "Launcher", lambda opts: _Launcher())
+    monkeypatch.setattr(worker.log, "info", interrupted_announcement)
+    with pytest.raises(KeyboardInterrupt):
+        worker.run_worker(queue, layout, worker.WorkerOptions(poll_s=0.1))
+    (key,) = all_keys(plan)
+    assert queue.counts([key]) == {"done": 0, "running": 0, "queued": 1, "failed": 0, "not queued": 0}
+
+
 def test_a_claim_ended_underneath_by_another_process_is_skipped_not_raised(tmp_path, monkeypatch):
     plan, layout, url, queue = _sweep(tmp_path, seeds=[0, 1], axes={"model.norm_position": ["pre"]})
     fired = _reaped_at(monkeypatch, queue, url, "heartbeat", after=False)

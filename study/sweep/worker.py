@@ -284,6 +284,8 @@ def run_trial(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: di
     launcher = launcher or Launcher(WorkerOptions(launcher="spawn"))
     header = f"\n=== {sweep} trial {claimed.number} attempt {claimed.attempt} on {queue.worker} ===\n"
     try:  # a trial that cannot start (its log, the zygote's preload) fails this attempt, as a crash would
+        log.info("%s: trial %d %s%s seed %d (attempt %d)", queue.worker, claimed.number, claimed.spec.label,
+                 " (tuning)" if claimed.spec.kind == "tune" else "", claimed.spec.seed, claimed.attempt)
         child = _launch(layout, attempt, opts, launcher, header)
     except Exception as err:  # noqa: BLE001
         return _settle(queue, layout, plan, attempt, _note_start_failure(RunDir(attempt.run_dir).trial_log, err))
@@ -477,8 +479,6 @@ def _drain(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions, plan: di
             if queue.sync(specs, retry_failed=False)["enqueued"]:  # keys dropped in a duplicate race
                 continue
             break
-        log.info("%s: trial %d %s%s seed %d (attempt %d)", queue.worker, claimed.number, claimed.spec.label,
-                 " (tuning)" if claimed.spec.kind == "tune" else "", claimed.spec.seed, claimed.attempt)
         started = time.time()
         outcome = run_trial(queue, layout, claimed, plan, opts, launcher)
         summary.seconds.append(time.time() - started)
