@@ -19,15 +19,7 @@ def content_hash(cfg: Config) -> str:
     behaviour, as a new field's must) leaves every existing point's hash, and so its run directory, unchanged: a
     sweep resumed after an upgrade neither repeats its finished trials nor orphans them. The other side of that
     bargain: changing an existing field's default changes what those points mean, and needs a new field instead."""
-    from study.config.pipeline import PipelineConfig
-
-    if isinstance(cfg, PipelineConfig):
-        stages = [_identity(stage, drop_seed=i == 0) for i, stage in enumerate(cfg.stages.values())]
-        data: Any = {"stages": dict(zip(cfg.stages, stages))}
-    else:
-        data = _identity(cfg, drop_seed=True)
-    blob = json.dumps(data, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
+    return _digest(cfg, resolved=False)
 
 
 def same_run_hash(cfg: Config) -> str:
@@ -35,17 +27,22 @@ def same_run_hash(cfg: Config) -> str:
     field the config derives (`n_kv_heads: null` -> n_heads; `Config.resolved`) counts as its resolved value. The
     plan finds duplicate points by it. Never a run directory's name: content_hash is, and must not move when a
     derivation rule is added."""
+    return _digest(cfg, resolved=True)
+
+
+def _digest(cfg: Config, resolved: bool) -> str:
     from study.config.pipeline import PipelineConfig
 
     if isinstance(cfg, PipelineConfig):
-        data: Any = {"stages": {name: _identity(stage, drop_seed=i == 0, resolved=True)
-                                for i, (name, stage) in enumerate(cfg.stages.items())}}
+        stages = [_identity(stage, drop_seed=i == 0, resolved=resolved) for i, stage in enumerate(cfg.stages.values())]
+        data: Any = {"stages": dict(zip(cfg.stages, stages))}
     else:
-        data = _identity(cfg, drop_seed=True, resolved=True)
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        data = _identity(cfg, drop_seed=True, resolved=resolved)
+    blob = json.dumps(data, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def _identity(cfg: Config, drop_seed: bool, resolved: bool = False) -> dict[str, Any]:
+def _identity(cfg: Config, drop_seed: bool, resolved: bool) -> dict[str, Any]:
     data = without_defaults(cfg, resolved)
     data.pop("name", None)
     if drop_seed:

@@ -467,8 +467,6 @@ def _objective(plan: Plan) -> None:
     if tune and problem is None and (split_problem := _tune_split_problem(plan)) is not None:
         plan.refused.append(split_problem)
     if tune and problem is None and plan.points:
-        from study.sweep import reach
-
         field, metric, stages = plan.spec.tune["field"], plan.objective["metric"], plan.spec.stage_names
         stage, bare = route(field, stages)  # (a stage's field decides the metric of that stage's run only)
         if stage == reach.objective_stage(metric, stages) and \
