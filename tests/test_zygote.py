@@ -136,7 +136,8 @@ def test_the_children_die_with_the_worker(tmp_path):
     worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     zygote_pid, trial_pid = map(int, worker.stdout.readline().split())
     deadline = time.time() + 60
-    while not (tmp_path / "e" / "sleeping").exists() and time.time() < deadline:  # (the rank got to its runner)
+    ready = [tmp_path / "e" / "sleeping", tmp_path / "e" / "rank.pid"]  # (the rank got to its runner; its pid noted)
+    while not all(p.exists() for p in ready) and time.time() < deadline:
         time.sleep(0.1)
     rank_pid = int((tmp_path / "e" / "rank.pid").read_text())
     assert _alive(rank_pid)
@@ -146,14 +147,6 @@ def test_the_children_die_with_the_worker(tmp_path):
     while time.time() < deadline and (_alive(zygote_pid) or _alive(trial_pid) or _alive(rank_pid)):
         time.sleep(0.1)
     assert not _alive(zygote_pid) and not _alive(trial_pid) and not _alive(rank_pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
 
 
 def test_preloading_asks_cuda_through_nvml_and_refuses_a_cuda_context_before_forking(tmp_path, monkeypatch):
@@ -177,11 +170,10 @@ def test_preloading_asks_cuda_through_nvml_and_refuses_a_cuda_context_before_for
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):  # (it may end between any two looks)
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.is_file() and stat.read_text().split(") ")[1].startswith("Z"))  # a zombie has ended
+    return not stat.rsplit(") ", 1)[1].startswith("Z")  # a zombie has ended
 
 
 def _wait_gone(pid: int, seconds: float = 10) -> bool:

@@ -12,6 +12,13 @@ from pathlib import Path
 print("a module that prints when imported (the zygote preloads it): this must not reach the worker's replies")
 
 
+def _write_at_once(path: Path, text: str) -> None:
+    """The test polls for the file: written in place, it could be read while still empty."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def run(cfg, run_dir, data_dir=None, cache_dir=None):
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -32,7 +39,7 @@ def run(cfg, run_dir, data_dir=None, cache_dir=None):
         import subprocess
 
         rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        (run_dir / "rank.pid").write_text(str(rank.pid))
+        _write_at_once(run_dir / "rank.pid", str(rank.pid))
         if mode == "rank-left":
             return
         time.sleep(600)
@@ -41,7 +48,7 @@ def run(cfg, run_dir, data_dir=None, cache_dir=None):
 
         env = {**os.environ, "LOCAL_RANK": "1", "STUDY_ZYGOTE_MODE": "sleep"}
         rank = subprocess.Popen([sys.executable, "-m", "study.sweep.trial", *sys.argv[1:]], env=env)
-        (run_dir / "rank.pid").write_text(str(rank.pid))
+        _write_at_once(run_dir / "rank.pid", str(rank.pid))
         time.sleep(600)
     if mode == "sleep":
         (run_dir / "sleeping").write_text("")
