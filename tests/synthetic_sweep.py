@@ -23,18 +23,23 @@ import pandas as pd
 _UNIFORM = "ln(vocabulary size) nats for a uniform prediction"
 
 
-def _decl(direction: str, scale: str, objective: bool = True) -> dict:
-    return {"direction": direction, "scale": scale, "constant": "-", "objective": objective, "description": ""}
+def _decl(direction: str, scale: str, objective: bool = True, defined_by: tuple[str, ...] = ()) -> dict:
+    out = {"direction": direction, "scale": scale, "constant": "-", "objective": objective, "description": ""}
+    return out | ({"defined_by": list(defined_by)} if defined_by else {})
 
 
+TOKENS = ("task.tokenizer", "task.vocab_size", "task.lowercase")
+MASKED_TOKENS = (*TOKENS, "task.mlm_probability")
 DECLARED = {
-    "lm": {"valid_loss": _decl("minimize", "nats/token"), "valid_ppl": _decl("minimize", "perplexity"),
-           "test_loss": _decl("minimize", "nats/token"), "test_ppl": _decl("minimize", "perplexity"),
-           "*_ppl_by_length.*": _decl("minimize", "perplexity", False),
-           "*_ppl_at_2x": _decl("minimize", "perplexity")},
-    "pretrain": {"valid_mlm_loss": _decl("minimize", "nats/masked token"),
-                 "valid_mlm_ppl": _decl("minimize", "perplexity"),
-                 "valid_mlm_loss_full_sentences": _decl("minimize", "nats/masked token"),
+    "lm": {"valid_loss": _decl("minimize", "nats/token", defined_by=TOKENS),
+           "valid_ppl": _decl("minimize", "perplexity", defined_by=TOKENS),
+           "test_loss": _decl("minimize", "nats/token", defined_by=TOKENS),
+           "test_ppl": _decl("minimize", "perplexity", defined_by=TOKENS),
+           "*_ppl_by_length.*": _decl("minimize", "perplexity", False, defined_by=TOKENS),
+           "*_ppl_at_2x": _decl("minimize", "perplexity", defined_by=TOKENS)},
+    "pretrain": {"valid_mlm_loss": _decl("minimize", "nats/masked token", defined_by=(*MASKED_TOKENS, "model.nsp")),
+                 "valid_mlm_ppl": _decl("minimize", "perplexity", defined_by=(*MASKED_TOKENS, "model.nsp")),
+                 "valid_mlm_loss_full_sentences": _decl("minimize", "nats/masked token", defined_by=MASKED_TOKENS),
                  "valid_nsp_accuracy": _decl("maximize", "fraction (0-1)"),
                  "valid_nsp_loss": _decl("minimize", "nats/pair"),
                  "valid_masked_tokens": _decl("maximize", "count", False),
@@ -253,7 +258,7 @@ def make_pretrain_sweep(root: str | Path, seeds=(0, 1, 2), sweep: str = "nsp-pre
             run_dir = root / "runs" / p["point"] / f"seed-{seed}"
             metrics = _pretrain_metrics(rng, nsp, seed)
             rows.append(_identity(sweep, p, seed, "pretrain", "wikitext-2", run_dir) | {
-                "status": "completed", "attempts": 1, "error": "", "steps": 200, "diverged_at_step": np.nan,
+                "config.model.nsp": p["axes"]["nsp"], "status": "completed", "attempts": 1, "error": "", "steps": 200, "diverged_at_step": np.nan,
                 "train_tokens": 204800, "stopped_by": ""} | metrics)
             if with_runs:
                 (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -304,7 +309,7 @@ def make_nsp_glue_sweep(root: str | Path, seeds=(0, 1, 2), sweep: str = "nsp-glu
         nsp = p["axes"]["nsp"] == "true"
         for seed in seeds:
             rows.append(_identity(sweep, p, seed, "glue", "glue", root / "runs" / p["point"] / f"seed-{seed}") | {
-                "status": "completed", "attempts": 1, "error": "", "steps": 1500, "diverged_at_step": np.nan,
+                "config.model.nsp": p["axes"]["nsp"], "status": "completed", "attempts": 1, "error": "", "steps": 1500, "diverged_at_step": np.nan,
                 "train_tokens": 6e6, "stopped_by": ""} | _glue_metrics(rng, nsp, seed, nsp_effect))
     objective = {"metric": "glue_score", "direction": "maximize", "scale": "0-100", "task": "glue"}
     plan = _plan(sweep, "ofat", seeds, axes, points, objective, ["pretrain", "glue"], ["pretrain", "glue"],

@@ -362,3 +362,18 @@ def test_a_cell_outside_a_conditional_axis_pairs_only_where_its_config_matches()
     assert cell_pairs(_conditional_grid(None), "norm_position", "pre", "post") == []
     assert cell_pairs(_conditional_grid(4), "attention", "mha", "mqa") == [
         CellPair("pre,mha", "pre,mqa", (("norm_position", "pre"),))]
+
+
+def test_an_effect_on_a_metric_the_two_cells_define_differently_is_not_tested(tmp_path, effects):
+    """A published NSP effect read on our pretraining MLM loss in each model's own input format (segment pairs
+    with NSP, full sentences without) would compare losses over different inputs: the pair is listed as untested,
+    with the field; a loss no swept field defines (here the NSP loss, as a stand-in) is tested."""
+    root = make_nsp_glue_sweep(tmp_path / "nsp", nsp_effect=3.0)
+    base = effects.set_index("effect_id").loc["no-nsp-devlin-sst2"]
+    rows = [base.to_dict() | {"effect_id": f"mlm-{m}", "our_metric": f"pretrain.{m}", "metric": "cross-entropy"}
+            for m in ("valid_mlm_loss", "valid_nsp_loss")]
+    tested, untested = compare_effects(load_results(root), pd.DataFrame(rows))
+    assert list(tested["effect_id"]) == ["mlm-valid_nsp_loss"]
+    reason = untested.set_index("effect_id").loc["mlm-valid_mlm_loss", "reason"]
+    assert reason == "pretrain.valid_mlm_loss is defined by `model.nsp`, which the two cells ran differently " \
+                     "(false, true)"

@@ -6,6 +6,7 @@ bytes are headed in the unit they are printed in, and GLUE F1 reaches `study com
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -271,3 +272,45 @@ def test_glue_f1_reaches_the_comparison_and_schema_1_f1_is_put_on_0_100():
 def test_a_glue_sweeps_mrpc_f1_is_measured(tmp_path):
     keys = {m.key for m in sweep_measurements(load_results(make_nsp_glue_sweep(tmp_path / "nsp")))}
     assert {"glue:mrpc:f1", "glue:mrpc:accuracy"} <= keys
+
+
+# -- 6. a metric the variants define differently ---------------------------------------------------------------------
+def _vocab_sweep(tmp_path) -> Path:
+    """The synthetic language model with its `norm` axis read as if it also set the BPE vocabulary (rmsnorm ran 8000
+    merges, layernorm 16000), recorded as a sweep's table records what ran (`config.<field>`)."""
+    root = _sweep(tmp_path, axes={"norm": ["rmsnorm", "layernorm"]})
+    plan = json.loads((root / "plan.json").read_text())
+    plan["axis_fields"]["norm"] += ["task.vocab_size"]
+    (root / "plan.json").write_text(json.dumps(plan))
+    return _rewrite(root, lambda t: t.assign(**{"config.task.vocab_size": t["axis.norm"].map(
+        {"rmsnorm": "8000", "layernorm": "16000"})}))
+
+
+def test_a_metric_the_variants_define_differently_is_marked_and_never_given_a_verdict(tmp_path):
+    """A per-token loss over another vocabulary measures another quantity: the plan refuses to rank by it, and a
+    plan written before it did (or any table showing such a column) marks it and withholds the paired verdict."""
+    root = _vocab_sweep(tmp_path)
+    r = load_results(root)
+    assert r.defined_differently("metric.valid_ppl", "lm", ["baseline", "norm=layernorm"]) == {
+        "task.vocab_size": ["16000", "8000"]}
+    assert r.defined_differently("metric.valid_ppl", "lm", ["baseline"]) == {}
+    out = build_report(root, tmp_path / "out", kinds=())
+    md = out.markdown.read_text()
+    assert "valid_loss † (nats/token" in md and "valid_ppl † (perplexity" in md
+    assert "**† Not comparable across these variants:** `valid_loss` is defined by `task.vocab_size`" in md
+    paired = pd.read_csv(out.out / "paired.csv").set_index("label")
+    assert paired.loc["norm=layernorm", "verdict"] == "not comparable"
+    assert math.isnan(paired.loc["norm=layernorm", "p_value"]) and "this report makes 0 paired tests" in md
+
+
+def test_an_earlier_stages_metric_defined_by_the_swept_field_is_marked_and_the_shared_format_one_is_not(tmp_path):
+    """NSP on/off changes the pretraining input format: the MLM loss in each model's own format measures different
+    inputs (defined by model.nsp, which the axis `model.nsp` sets in the first stage); the full-sentences one is the
+    same input for both."""
+    root = make_nsp_glue_sweep(tmp_path / "nsp")
+    md = build_report(root, tmp_path / "out", kinds=()).markdown.read_text()
+    stage = md[md.index("### The pretrain stage"):]
+    assert "| pretrain.valid_mlm_loss † |" in stage and "| pretrain.valid_mlm_loss_full_sentences |" in stage
+    assert "`pretrain.valid_mlm_loss` is defined by `model.nsp`, which the variants ran differently " \
+           "(`model.nsp`: false, true)" in stage
+    assert "valid_mlm_loss_full_sentences` is defined" not in stage

@@ -55,6 +55,8 @@ class Declaration:
     by_construction: bool = False  # a cost computed from the config by arithmetic, not measured
     description: str = ""
     cost: bool = False  # a cost the task measures (decode time, KV cache held): shown beside the quality
+    defined_by: tuple[str, ...] = ()  # config fields (`section.field`) that decide what it measures
+    stage: str | None = None  # a study in stages: the stage whose config those fields are in
 
     @property
     def better(self) -> str:
@@ -202,9 +204,10 @@ class SweepResults:
         if column.startswith("cost."):
             return cost_declaration(column, self.stages[:-1])
         name, family = metric_name(column), self._task_of(task)
+        stage = self.stages[-1] if self.stages else None
         head, _, rest = name.partition(".")
         if head in self.stages[:-1] and rest:  # an earlier stage's metric, declared by that stage's task
-            name, family = rest, self.stage_tasks.get(head, family)
+            name, family, stage = rest, self.stage_tasks.get(head, family), head
         found = match_declaration(((self.plan.get("tasks") or {}).get(family) or {}).get("metrics") or {}, name)
         if found is None:
             return None
@@ -213,7 +216,7 @@ class SweepResults:
                         self.root / "plan.json")
         return Declaration(column, pattern, family, d["direction"], str(d.get("scale") or ""),
                            bool(d.get("objective", True)), description=str(d.get("description") or ""),
-                           cost=bool(d.get("cost", False)))
+                           cost=bool(d.get("cost", False)), defined_by=tuple(d.get("defined_by") or ()), stage=stage)
 
     def declared(self, metric: str, task: str | None = None) -> Declaration:
         """As `declaration`, but a metric nobody declared is an error: its direction is never guessed."""
@@ -327,6 +330,29 @@ class SweepResults:
         col = f"config.{field}"
         values = self.table.loc[self.table["label"] == label, col].dropna() if col in self.table else []
         return normalise_value(values.iloc[0]) if len(values) else None
+
+    def defined_differently(self, column: str, task: str | None, labels: list[str]) -> dict[str, list[str]]:
+        """field -> the values the cells `labels` ran it at, for each field that decides what `column` measures (its
+        declared `defined_by`) and that they ran differently: there the column measures a different thing in each
+        (one vocabulary's per-token loss beside another's), and its values are not comparable. Only a field an axis
+        sets can differ between cells; a cell whose table row does not record it is left out."""
+        spec = self.declaration(column, task)
+        out = {}
+        for field in spec.defined_by if spec is not None else ():
+            for path in self._axis_paths(field, spec.stage):
+                ran = {v for label in labels if (v := self.ran_at(label, path)) is not None}
+                if len(ran) > 1:
+                    out[field] = sorted(ran)
+        return out
+
+    def _axis_paths(self, field: str, stage: str | None) -> list[str]:
+        """The axis paths (plan.json's axis_fields) that set `field` of `stage`, by study.config.sweep.route's rule:
+        in a study in stages a path names its stage (`pretrain.task.mlm_probability`), and `model.*` alone is the
+        first stage's."""
+        paths = {p for ps in (self.plan.get("axis_fields") or {}).values() for p in ps}
+        wanted = {field} if not self.stages else {f"{stage}.{field}"} | (
+            {field} if stage == self.stages[0] and field.startswith("model.") else set())
+        return sorted(paths & wanted)
 
     def set_alike(self, labels: tuple[str, str], fields: list[str]) -> bool:
         """Do two cells set every field in `fields` alike, as they ran? On the values the table records (a cell that

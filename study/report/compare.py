@@ -477,6 +477,16 @@ def _metric_reason(results: SweepResults, e: pd.Series, pair: CellPair) -> str:
     return f"published on {e['published_metric']}; this sweep's metric is {metric_name(col)}"
 
 
+def _definition_reason(results: SweepResults, e: pd.Series, pair: CellPair) -> str:
+    """Why the pair's metric cannot carry the effect: the two cells ran a field that defines it differently
+    (SweepResults.defined_differently), so their difference measures that too; '' when they measure it alike."""
+    task = _pair_task(results, pair)
+    col, _ = resolve_metric(results, e["our_metric"], task)
+    differ = results.defined_differently(col, task, [pair.baseline, pair.variant]) if col else {}
+    return "; ".join(f"{metric_name(col)} is defined by `{f}`, which the two cells ran differently ({', '.join(v)})"
+                     for f, v in differ.items())
+
+
 def _our_difference(results: SweepResults, e: pd.Series, pair: CellPair) -> tuple:
     """(task, column, declaration, paired difference or None, our direction) of one pair on the effect's metric."""
     task = _pair_task(results, pair)
@@ -587,7 +597,8 @@ def compare_effects(results: SweepResults, effects: pd.DataFrame) -> tuple[pd.Da
         if not pairs:
             untested.append(_untested(e, _no_pair_reason(results, e)))
         for p in kept:
-            reason = _unvaried_held(results, e, p)[0] or _metric_reason(results, e, p)
+            reason = _unvaried_held(results, e, p)[0] or _metric_reason(results, e, p) or _definition_reason(
+                results, e, p)
             if reason:
                 untested.append(_untested(e, reason))
             else:

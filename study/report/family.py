@@ -14,6 +14,8 @@ import pandas as pd
 from study.report.collect import SweepResults, at_2x_column, metric_column, metric_name
 from study.report.stats import holm_adjust, holm_withdrawn, paired_differences
 
+NOT_COMPARABLE = "not comparable"  # the verdict of a pair that measures its metric differently on each side
+
 
 @dataclass
 class PairedTest:
@@ -49,11 +51,22 @@ def paired_family(results: SweepResults) -> list[PairedTest]:
             targets.append((extra, metric_name(extra), results.declared(extra, task).direction))
         tests += [PairedTest(task, col, name, dirn, paired_differences(finished, col, results.baseline_label, labels,
                                                                          dirn)) for col, name, dirn in targets]
+    for t in tests:
+        _withhold_not_comparable(results, t)
     adjusted = iter(holm_adjust([p for t in tests for p in t.table["p_value"]]))
     for t in tests:
         t.table["p_holm"] = [next(adjusted) for _ in range(len(t.table))]
         t.table["verdict_holm"] = [holm_paired_verdict(v, p) for v, p in zip(t.table["verdict"], t.table["p_holm"])]
     return tests
+
+
+def _withhold_not_comparable(results: SweepResults, test: PairedTest) -> None:
+    """A variant that measures the metric differently from the baseline (SweepResults.defined_differently: another
+    tokenizer under a per-token loss) is not tested: its verdict is 'not comparable' and it leaves the Holm family.
+    (The plan refuses such an objective; a plan written before it did, or a secondary metric, may still pair them.)"""
+    for i, label in test.table["label"].items():
+        if results.defined_differently(test.column, test.task, [results.baseline_label, str(label)]):
+            test.table.loc[i, ["p_value", "verdict"]] = [float("nan"), NOT_COMPARABLE]
 
 
 def family_size(family: list[PairedTest]) -> int:

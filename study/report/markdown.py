@@ -16,7 +16,7 @@ import pandas as pd
 
 from study.record import COSTS
 from study.report.collect import Declaration, SweepResults, metric_column, metric_name
-from study.report.family import PairedTest, family_size, paired_family
+from study.report.family import NOT_COMPARABLE, PairedTest, family_size, paired_family
 from study.report.figures import FigureInfo
 from study.report.stats import (
     NO_SPREAD_TEST,
@@ -390,8 +390,10 @@ def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFram
     costs = _cost_columns(done, results, task)
     extras = [*(c for c, _ in secondary), *(c for c, _, _ in costs)]
     summary = summarize(done, mcol, order=labels, extra=extras)
-    headers = ["variant", "n / planned", f"{metric_name(mcol)} ({scale_text(spec)}; 95% CI)", "interval",
-               *[f"{metric_name(c)} ({scale_text(d)})" for c, d in secondary], *[h for _, h, _ in costs]]
+    differ = defined_differently(results, task, [mcol, *(c for c, _ in secondary)], list(summary["label"]))
+    mark = {c: " †" if c in differ else "" for c in [mcol, *(c for c, _ in secondary)]}
+    headers = ["variant", "n / planned", f"{metric_name(mcol)}{mark[mcol]} ({scale_text(spec)}; 95% CI)", "interval",
+               *[f"{metric_name(c)}{mark[c]} ({scale_text(d)})" for c, d in secondary], *[h for _, h, _ in costs]]
     rows = []
     for _, r in summary.iterrows():
         mean_text, interval = _interval_text(r)
@@ -400,6 +402,7 @@ def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFram
                      _n_text(r, planned.get(r["label"], 0)), mean_text, interval,
                      *[fmt(r.get(c)) for c, _ in secondary], *[fmt(r.get(c), k) for c, _, k in costs]])
     doc.table(headers, rows)
+    _defined_differently_note(doc, differ)
     constructed = [h for c, h, _ in costs if c.startswith("cost.") and COSTS[c.removeprefix("cost.")][2]]
     measured = [h for c, h, _ in costs if h not in constructed]
     doc.p(f"`n / planned`: seeds with a value of {metric_name(mcol)} out of the trials the plan lists (its points x "
@@ -411,6 +414,26 @@ def _summary_table(doc: Doc, results: SweepResults, task: str, done: pd.DataFram
           + (" A – among them: a seed of the row has no value of that column, so no mean over the row's seeds "
              "exists (one over fewer seeds would pass for one over n)." if _gaps(summary, done[finite(done, mcol)], extras)
              else ""))
+
+
+def defined_differently(results: SweepResults, task: str, columns: list[str],
+                        labels: list[str]) -> dict[str, dict[str, list[str]]]:
+    """column -> {field: values} for the columns that the cells `labels` measure differently
+    (SweepResults.defined_differently)."""
+    return {c: d for c in columns if (d := results.defined_differently(c, task, labels))}
+
+
+def _defined_differently_note(doc: Doc, differ: dict[str, dict[str, list[str]]]) -> None:
+    """Under a table with columns marked †: which fields define them differently across its rows. The plan refuses
+    to rank a sweep by such a metric; a secondary column (or a stage's own metric) may still be one."""
+    if not differ:
+        return
+    doc.note("**† Not comparable across these variants:** " + "; ".join(
+        f"`{metric_name(c)}` is defined by " + ", ".join(f"`{f}`" for f in fields) + ", which the variants ran "
+        "differently (" + "; ".join(f"`{f}`: {', '.join(v)}" for f, v in fields.items()) + ")"
+        for c, fields in differ.items()) + ". Such a column measures a different quantity in each variant (a "
+        "per-token loss over another vocabulary, a masked-token loss over another share of masks): its values "
+        "are shown, but a difference between them is not evidence for either variant.")
 
 
 def _gaps(summary: pd.DataFrame, done: pd.DataFrame, extras: list[str]) -> bool:
@@ -494,6 +517,9 @@ def _paired_section(doc: Doc, results: SweepResults, task: str, metric: str, dir
                    "Holm-adjusted p", f"after Holm (family of {m})"], rows, align="lrrrrlrl")
     _no_spread_note(doc, [t.table for t in family if t.task == task])
     _divergence_note(doc, [t.table for t in family if t.task == task])
+    if any(v == NOT_COMPARABLE for t in family if t.task == task for v in t.table["verdict"]):
+        doc.p(f"*{NOT_COMPARABLE}*: the variant ran a field that defines the metric differently from the baseline "
+              "(the † note above names it), so the difference is not tested and is not in the Holm family.")
 
 
 def _glue_tasks_section(doc: Doc, results: SweepResults, task: str, labels: list[str]) -> None:
@@ -550,15 +576,18 @@ def _earlier_stages_section(doc: Doc, results: SweepResults, task: str, labels: 
         if not cols:
             continue
         doc.h(3, f"The {stage} stage")
+        differ = defined_differently(results, task, cols, labels)
         rows = []
         for col in cols:
             spec = results.declared(col, task)
             for _, r in summarize(done, col, order=labels).iterrows():
                 mean_text, interval = _interval_text(r)
-                rows.append([metric_name(col), scale_text(spec), r["label"], str(int(r["n"])), mean_text, interval])
+                rows.append([metric_name(col) + (" †" if col in differ else ""), scale_text(spec), r["label"],
+                             str(int(r["n"])), mean_text, interval])
         doc.p(f"The {stage} stage's own metrics, as its task declares them, per variant (mean and 95% t interval "
               "over trials). A metric that only one variant writes (NSP accuracy without NSP) is missing, not zero.")
         doc.table(["metric", "scale", "variant", "n", "mean (95% CI)", "interval"], rows, align="lllrrr")
+        _defined_differently_note(doc, differ)
 
 
 def completed_without_value(results: SweepResults) -> pd.DataFrame:
