@@ -32,7 +32,7 @@ def bleu_at(model, cfg, dm, split: str, alpha: float) -> dict:
     """sacreBLEU of the split decoded with length penalty `alpha`, and the mean hypothesis length in tokens."""
     import sacrebleu
 
-    from study.tasks.translation import BOS, EOS
+    from study.tasks.translation import BOS, EOS, PAD
 
     task = cfg.task
     sources, refs = dm.corpus.sources(split), dm.corpus.targets(split)
@@ -40,7 +40,7 @@ def bleu_at(model, cfg, dm, split: str, alpha: float) -> dict:
     started = time.perf_counter()
     for chunk, src, mask in batches(cfg, dm, sources):
         found = beam_search(model, src, mask, bos=BOS, eos=EOS, beam_size=task.beam_size, length_penalty=alpha,
-                            max_len_a=task.max_len_a, max_len_b=task.max_len_b)
+                            max_len_a=task.max_len_a, max_len_b=task.max_len_b, never=(PAD, BOS))
         for i, h in zip(chunk, found):
             hyps[i] = h
     metric = sacrebleu.metrics.BLEU()

@@ -443,3 +443,62 @@ def test_a_finished_sentence_leaves_the_batch(use_cache):
     limits = [n + 2 for n in lengths]
     assert [len(h) for h in out] == limits
     assert model.rows == [len(lengths)] + [k * sum(limit >= t for limit in limits) for t in range(1, max(limits) + 1)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tokens that are never targets (PAD, BOS) are never chosen
+
+# A model that puts most of the mass after A on PAD. With PAD never chosen, [A] keeps its probability as the model
+# gives it, 0.55 * 0.1 = 0.055, and [B] (0.45 * 0.6 = 0.27) wins, as in fairseq, which sets PAD's log-probability to
+# -inf after the log-softmax. Renormalised over the other tokens, [A] would score 0.55 * 1.0 and win.
+PAD_TRAP = {(): {A: 0.55, B: 0.45}, (A,): {PAD: 0.9, EOS: 0.1}, (B,): {EOS: 0.6, A: 0.4}}
+
+
+class PadBias:
+    """Adds `bias` to the PAD and BOS logits of an encoder-decoder at every step: an untrained model's way to prefer
+    them."""
+
+    def __init__(self, model, bias: float):
+        self.model, self.bias, self.config = model, bias, model.config
+
+    def encode(self, src, mask=None):
+        return self.model.encode(src, mask)
+
+    def decode(self, tgt, memory, memory_mask=None, cache=None):
+        logits = self.model.decode(tgt, memory, memory_mask, cache=cache).clone()
+        logits[..., [PAD, BOS]] += self.bias
+        return logits
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("kernel", [True, False], ids=["c++", "eager"])
+def test_pad_is_never_chosen_and_the_other_tokens_keep_the_models_probabilities(use_cache, kernel, monkeypatch):
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "_loaded", {"log_softmax_topk": None})
+    src, mask = table_src(2)
+    kw = dict(bos=BOS, eos=EOS, use_cache=use_cache, max_len_a=0.0, max_len_b=3)
+    assert greedy_decode(TableModel(PAD_TRAP, {EOS: 1.0}), src, mask, **kw)[0][:2] == [A, PAD]  # unguarded
+    assert greedy_decode(TableModel(PAD_TRAP, {EOS: 1.0}), src, mask, never=(PAD, BOS), **kw) == [[A], [A]]
+    for k in (2, 3):
+        beam = beam_search(TableModel(PAD_TRAP, {EOS: 1.0}), src, mask, beam_size=k, length_penalty=0.0,
+                           never=(PAD, BOS), **kw)
+        assert beam == [[B], [B]], k
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kernel", [True, False], ids=["c++", "eager"])
+def test_a_model_that_prefers_pad_and_bos_never_emits_them(seed, kernel, monkeypatch):
+    """Greedy and beam search skip the tokens `never` however likely the model makes them, and beam search with one
+    beam still equals greedy decoding."""
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "_loaded", {"log_softmax_topk": None})
+    model, src, mask = random_case(seed)
+    model = PadBias(model, bias=8.0)
+    kw = dict(bos=BOS, eos=EOS, max_len_a=1.2, max_len_b=3, never=(PAD, BOS))
+    greedy = greedy_decode(model, src, mask, **kw)
+    assert greedy == beam_search(model, src, mask, beam_size=1, length_penalty=0.0, **kw)
+    for k in (1, 3, 5):
+        for hyp in [*greedy, *beam_search(model, src, mask, beam_size=k, **kw)]:
+            assert PAD not in hyp and BOS not in hyp
+    unguarded = greedy_decode(model, src, mask, **{**kw, "never": ()})
+    assert any(PAD in h or BOS in h for h in unguarded)  # (the bias does make the model prefer them)

@@ -481,3 +481,24 @@ def test_the_validation_curve_samples_the_whole_split_not_its_shortest_sentences
     assert len(batches) >= 4 and lengths != sorted(lengths)  # not in length order
     again = list(dm.val_dataloader())
     assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(batches, again))  # the same order every time
+
+
+def test_a_model_that_prefers_pad_and_bos_still_translates_into_words(trained, data_root, monkeypatch):
+    """PAD and BOS are never targets, so the decoder never chooses them: were they chosen, detokenizing would strip
+    them and leave empty or holed translations (an untrained model can rank them first). Greedy decoding, whose
+    argmax is unmoved by the other tokens' shared normaliser, translates exactly as without the bias."""
+    from study.tasks.translation import BOS, PAD
+
+    module, dm, _ = reload(trained, data_root)
+    sources = dm.corpus.sources("test_2016_flickr")[:20]
+    plain = module.translate(sources, dm, beam_size=1)
+    decode = module.model.decode
+
+    def prefers_pad_and_bos(*args, **kwargs):
+        logits = decode(*args, **kwargs).clone()
+        logits[..., [PAD, BOS]] += 50.0
+        return logits
+
+    monkeypatch.setattr(module.model, "decode", prefers_pad_and_bos)
+    assert module.translate(sources, dm, beam_size=1) == plain
+    assert all(h.strip() for h in plain) and all(h.strip() for h in module.translate(sources, dm))  # beam search

@@ -100,10 +100,11 @@ def _note_cache(dec: _Decoder, stats: dict | None) -> None:
 @_decoding
 def greedy_decode(
     model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, max_len_a: float = 1.2, max_len_b: int = 10,
-    use_cache: bool = True, stats: dict | None = None,
+    use_cache: bool = True, stats: dict | None = None, never: tuple[int, ...] = (),
 ) -> list[list[int]]:
     """Most probable next token at each step, up to a * |src| + b tokens (then EOS is forced, as in
-    fairseq; with learned positions at most max_seq_len - 1 tokens); EOS is not returned. `stats`, when given,
+    fairseq; with learned positions at most max_seq_len - 1 tokens); EOS is not returned. The tokens `never` (PAD
+    and BOS in translation) are never chosen, as fairseq never chooses PAD. `stats`, when given,
     receives `kv_cache_bytes`: the most bytes the KV cache held (the largest over calls sharing the dict), and adds
     `hypotheses_at_length_limit`: outputs ended by the forced EOS where the model's argmax was another token, and
     `length_capped_by_positions`: those of them whose limit the position cap lowered below a * |src| + b."""
@@ -113,8 +114,10 @@ def greedy_decode(
     prefix = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)
     done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
     forced = torch.zeros_like(done)
+    banned = _token_ids(never, src.device)
     for t in range(max(limits) + 1):  # one extra step for the EOS
-        nxt = dec.step(prefix).argmax(-1)
+        logits = dec.step(prefix)
+        nxt = (logits if banned is None else logits.index_fill(-1, banned, float("-inf"))).argmax(-1)
         if t in limits:  # only there: the other steps do no more work than before
             forced |= ~done & (max_len == t) & (nxt != eos)
         nxt = torch.where(done | (t >= max_len), torch.full_like(nxt, eos), nxt)
@@ -130,6 +133,10 @@ def greedy_decode(
     return out
 
 
+def _token_ids(tokens: tuple[int, ...], device) -> torch.Tensor | None:
+    return torch.tensor(sorted(set(tokens)), dtype=torch.long, device=device) if tokens else None
+
+
 def length_normalise(score: float, length: int, alpha: float) -> float:
     """GNMT length penalty: score / ((5 + |Y|) / 6)^alpha (Wu et al. 2016, eq. 14); `score` may be a tensor."""
     return score / (((5 + length) / 6) ** alpha) if alpha else score
@@ -139,9 +146,10 @@ def length_normalise(score: float, length: int, alpha: float) -> float:
 def beam_search(
     model: EncoderDecoderLM, src, src_mask, *, bos: int, eos: int, beam_size: int = 5, length_penalty: float = 1.0,
     max_len_a: float = 1.2, max_len_b: int = 10, use_cache: bool = True, stats: dict | None = None,
+    never: tuple[int, ...] = (),
 ) -> list[list[int]]:
-    """Batched beam search on the KV cache (`stats`: as in greedy_decode; a returned hypothesis counts as ended at
-    its limit where the model's most probable token there was not EOS). A sentence is finished once it holds
+    """Batched beam search on the KV cache (`stats`, `never`: as in greedy_decode; a returned hypothesis counts as
+    ended at its limit where the model's most probable token there was not EOS). A sentence is finished once it holds
     `beam_size` hypotheses ending in EOS (fairseq's stopping rule); after a * |src| + b
     tokens (capped as in greedy_decode) EOS is forced. Hypotheses are scored by the log-probability
     of their tokens and the EOS, length-normalised over both (GNMT, Wu et al. 2016, eq. 14); the best is
@@ -156,10 +164,12 @@ def beam_search(
     dec = _Decoder(model, model.encode(src, src_mask), src_mask, use_cache)  # memory (n, S, d): one row a sentence
     beams = _Beams.start(n, k, bos, max_len)
     finished = _Finished(n, k, steps, eos, length_penalty, src.device)
+    banned = _token_ids(never, src.device)
     for t in range(steps):
         at_limit = t >= beams.max_len  # (m,) m: the sentences still searching
         rows_at_limit = at_limit.repeat_interleave(beams.scores.shape[1])  # (m*b,) b beams a sentence
-        logp, tokens, forced = _top_log_probs(dec.step(beams.prefix), 2 * k, rows_at_limit, eos)  # (m*b, 2k) x 2
+        logits = dec.step(beams.prefix)
+        logp, tokens, forced = _top_log_probs(logits, 2 * k, rows_at_limit, eos, banned)  # (m*b, 2k) x 2
         searching = beams.advance(logp, tokens, finished, at_limit, t, eos, forced)
         if searching is None:
             break
@@ -171,23 +181,30 @@ def beam_search(
     return finished.best(slot)
 
 
-def _top_log_probs(logits: torch.Tensor, k: int, at_limit: torch.Tensor, eos: int):
+def _top_log_probs(logits: torch.Tensor, k: int, at_limit: torch.Tensor, eos: int, banned: torch.Tensor | None = None):
     """Each row's k most probable next tokens: log-probabilities (rows, k) float32 in descending order and token ids
     (rows, k); and (rows,) which rows are at their length limit with a token other than EOS most probable, whose EOS
     is forced, not chosen (None when no row is at its limit: counted only there, so other steps cost nothing more).
+    Tokens `banned` are never among them; their probability stays in the normaliser (fairseq sets PAD's
+    log-probability to -inf after the log-softmax: the other tokens' scores are those of the model).
     A hypothesis at its length limit may only end now: its row holds EOS alone (the rest -inf). A sentence's k best
     candidates are among the k best of each of its beams, so beam search adds the beam scores to these
     (sentences, beams * k) values only, not to all (sentences, beams * V). On CPU one C++ pass over the logits
     computes them (study/axes/kernels/log_softmax_topk.cpp: log_softmax's formula, its sum in another order)."""
     k = min(k, logits.shape[-1])
+    wide = min(k + (0 if banned is None else banned.numel()), logits.shape[-1])  # k left once the banned are out
     ops = eager_cpu_ops("log_softmax_topk", logits)
     if ops is not None:
-        values, tokens, row_max, row_logsum = ops.forward(logits, k)
+        values, tokens, row_max, row_logsum = ops.forward(logits, wide)
         eos_logp = (logits[:, eos].float() - row_max) - row_logsum
     else:
         logp = torch.log_softmax(logits.float(), dim=-1)  # (rows, V)
-        values, tokens = logp.topk(k, dim=-1)
+        values, tokens = logp.topk(wide, dim=-1)
         eos_logp = logp[:, eos]
+    if banned is not None:
+        values = values.masked_fill(torch.isin(tokens, banned), float("-inf"))
+        order = values.sort(dim=-1, descending=True, stable=True).indices[:, :k]  # (a stable sort keeps ties' order)
+        values, tokens = values.gather(-1, order), tokens.gather(-1, order)
     if not bool(at_limit.any()):
         return values, tokens, None
     only_eos = torch.full_like(values, float("-inf"))

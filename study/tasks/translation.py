@@ -181,7 +181,8 @@ class TranslationModule(StudyModule):
                 chunk = order[start : start + batch_size]
                 src = pad_batch([ids[i] or [EOS] for i in chunk]).to(self.device)
                 mask = src != PAD
-                kw = dict(bos=BOS, eos=EOS, max_len_a=task.max_len_a, max_len_b=task.max_len_b, stats=stats)
+                kw = dict(bos=BOS, eos=EOS, max_len_a=task.max_len_a, max_len_b=task.max_len_b, stats=stats,
+                          never=(PAD, BOS))  # never targets: emitted, they would be stripped, leaving holes
                 if beam == 1:
                     hyps = greedy_decode(self.model, src, mask, **kw)
                 else:
