@@ -354,3 +354,64 @@ def test_median_pruning_in_a_study_in_stages_reads_the_log_of_the_objectives_sta
     run_dir = layout.run_dir("tuned", 1000)
     watched = tuning.pruned_run_dir(layout, plan, "tuned", 1000, run_dir)
     assert watched == stage_dir(cfg.with_seed(1000), "pretrain", run_dir, layout.runs_root) != run_dir
+
+
+def test_a_tuning_trial_recorded_after_another_worker_settled_its_point_is_listed_once(tmp_path, monkeypatch):
+    """Two workers: one's tuning trial ends in the queue, and before it writes tuned.json the other's (the point's
+    last) ends and settles the point, recovering the first one's outcome from the queue. The first worker's record
+    then replaces the recovered one (a CI run saw the trial listed twice)."""
+    record, held = tuning.record_tuning_trial, []
+
+    def late_first(*args, **kwargs):
+        if not held:
+            held.append((args, kwargs))  # the first worker, not yet at tuned.json
+            return
+        record(*args, **kwargs)  # the other worker settles the point
+        record(*held[0][0], **held[0][1])  # then the first one writes its record
+
+    monkeypatch.setattr(tuning, "record_tuning_trial", late_first)
+    run_sweep(write_spec(tmp_path, tune=LR, **ONE_POINT), opts(tmp_path), say=quiet)
+    trials = tuned_entry(tmp_path)["trials"]
+    assert sorted(t["key"] for t in trials) == sorted({t["key"] for t in trials}) and len(trials) == 2
+    assert not any("recovered" in t for t in trials)
+
+
+def test_a_diverged_tuning_trial_is_a_bad_result_tpe_learns_from_not_a_failure_it_ignores(tmp_path):
+    """TPE draws from the trials it was told completed or pruned; a failed one teaches it nothing, so a learning
+    rate tuned near where training diverges would keep being proposed there. (The fake run diverges at lr >= 1.)"""
+    path = write_spec(tmp_path, tune={**LR, "low": 1.0, "high": 2.0, "log": False}, **ONE_POINT)
+    run_sweep(path, opts(tmp_path), say=quiet)
+    storage = open_storage(f"sqlite:///{tmp_path / 'results' / 't' / 'study.db'}")
+    (name,) = [n for n in optuna.get_all_study_names(storage) if "~tune~" in n]
+    states = [t.state.name for t in optuna.load_study(study_name=name, storage=storage).trials]
+    assert states == ["PRUNED", "PRUNED"]
+    entry = tuned_entry(tmp_path)
+    assert [t["status"] for t in entry["trials"]] == ["diverged", "diverged"] and "point" not in entry
+
+
+def test_median_pruning_judges_the_curve_the_objectives_task_declares_comparable(tmp_path):
+    """Pretraining logs `val/loss` as MLM + NSP loss; its objective and declared validation curve are the MLM loss
+    alone, so a trial with NSP is not pruned for the NSP loss it adds."""
+    tune = {"field": "pretrain.train.lr", "low": 1e-4, "high": 3e-3, "trials": 2, "pruner": "median"}
+    plan = _staged(objective={"metric": "pretrain.valid_mlm_loss_full_sentences"}, tune=tune).to_dict()
+    assert tuning.pruning_column(plan) == "val/mlm_loss"
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.csv").write_text("step,val/loss,val/mlm_loss\n5,7.5,6.8\n10,7.1,6.4\n")
+
+    class Reported:
+        def __init__(self):
+            self.seen = []
+
+        def report(self, value, step):
+            self.seen.append((step, value))
+
+        def should_prune(self):
+            return False
+
+    trial = Reported()
+    tuning.PruningMonitor(trial, tmp_path, tuning.pruning_column(plan)).should_prune()
+    assert trial.seen == [(5, 6.8), (10, 6.4)]
+    assert tuning.pruning_column(_plan() | {"objective": {"metric": "valid_loss", "task": "lm"},
+                                            "tasks": {"lm": {"curves": {"valid": "val/loss"}}}}) == "val/loss"
+    with pytest.raises(ValueError, match="declares no validation curve for task 'lm'"):
+        tuning.pruning_column(_plan() | {"objective": {"metric": "valid_loss", "task": "lm"}, "tasks": {}})

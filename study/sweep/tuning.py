@@ -27,13 +27,11 @@ class PruningMonitor:
 
     The trial process never holds the storage URL (it may carry a password), so instead of a
     pruning callback inside the trial, the worker reads the validation losses the trial logs
-    (`logs/metrics.csv` of `run_dir`, column `val/loss`, flushed at every logged step), reports each new one
-    to the tuning trial, and stops the trial when the pruner says so."""
+    (`logs/metrics.csv` of `run_dir`, flushed at every logged step; the column `pruning_column` names), reports
+    each new one to the tuning trial, and stops the trial when the pruner says so."""
 
-    COLUMN = "val/loss"
-
-    def __init__(self, trial, run_dir: Path) -> None:
-        self.trial = trial
+    def __init__(self, trial, run_dir: Path, column: str) -> None:
+        self.trial, self.column = trial, column
         self.path = run_dir / "logs" / "metrics.csv"
         self.reported: set[int] = set()
         self.last: float | None = None
@@ -48,7 +46,7 @@ class PruningMonitor:
         except OSError:
             return False
         for row in rows:
-            value, step = row.get(self.COLUMN), row.get("step")
+            value, step = row.get(self.column), row.get("step")
             if not value or not step or not step.isdigit() or int(step) in self.reported:
                 continue
             try:
@@ -59,6 +57,17 @@ class PruningMonitor:
             self.trial.report(self.last, int(step))
             self.reported.add(int(step))
         return bool(self.reported) and self.trial.should_prune()
+
+
+def pruning_column(plan: dict[str, Any]) -> str:
+    """The validation curve the pruner judges a tuning trial by: the one the objective's task declares comparable
+    across its runs (`curves['valid']`), e.g. pretraining's MLM loss, not its `val/loss` (MLM + NSP)."""
+    task = plan["objective"]["task"]
+    curves = ((plan.get("tasks") or {}).get(task) or {}).get("curves") or {}
+    if not curves.get("valid"):
+        raise ValueError(f"plan.json declares no validation curve for task {task!r}: median pruning has nothing to "
+                         "read (run `study sweep` again: it rewrites the plan with the task's declarations)")
+    return str(curves["valid"])
 
 
 def pruned_run_dir(layout: SweepLayout, plan: dict[str, Any], runs_point: str, seed: int, run_dir: Path) -> Path:
@@ -130,13 +139,15 @@ def finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, 
                         study, trial, runs_point: str, status: str, value: float | None, tell: bool = True,
                         **extra: Any) -> None:
     """Tell TPE the outcome, record it in tuned.json, and settle the point if its tuning is over. `value` is the
-    objective of a completed trial; a pruned one has none (`extra`: the last validation loss it logged, with its
+    objective of a completed trial; a pruned or diverged one has none (`extra`: the last validation loss it logged, with its
     step), a failed one its error."""
     from optuna.trial import TrialState
 
     ok = status == "completed" and value is not None and math.isfinite(value)
-    if tell:
-        state = TrialState.PRUNED if status == "pruned" else TrialState.COMPLETE if ok else TrialState.FAIL
+    if tell:  # a diverged setting is a result, the worst: told as pruned, TPE ranks it below every completed one
+        # and steers away from it (a failure it would ignore, and keep proposing the region where lr diverges)
+        state = TrialState.PRUNED if status in ("pruned", "diverged") else TrialState.COMPLETE if ok else \
+            TrialState.FAIL
         study.tell(trial, value if ok else None, state=state)
     record_tuning_trial(queue, layout, plan, claimed.spec.point, {
         "key": claimed.spec.key, "value": trial.params.get(plan["tune"]["field"]), "status": status,
@@ -147,10 +158,15 @@ def finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, 
 def record_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], point: str,
                         record: dict[str, Any]) -> None:
     """Append one tuning trial's outcome to its point's tuned.json entry, then settle the point if its tuning is
-    over (under the sweep's lock: workers of one point write the file in turn)."""
+    over (under the sweep's lock: workers of one point write the file in turn). Where another worker settled the
+    point between this trial's end in the queue and this call, it recovered this outcome from the queue
+    (`_recover`): this record replaces that one rather than listing the trial twice."""
     with queue.lock():
         tuned = read_tuned(layout)
-        entry_for(tuned, point, plan)["trials"].append(record)
+        trials = entry_for(tuned, point, plan)["trials"]
+        trials[:] = [t for t in trials if not (t.get("recovered") and t["key"] == record["key"]
+                                               and t["status"] == record["status"])]
+        trials.append(record)
         atomic_write_json(layout.tuned_path, tuned)
         settle_tuning_locked(queue, layout, plan, [point])
 

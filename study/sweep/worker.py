@@ -260,7 +260,7 @@ def _begin(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[
     try:
         attempt = _start(queue, layout, claimed, plan)
         return attempt, (tuning.PruningMonitor(attempt.tuning[1], tuning.pruned_run_dir(
-            layout, plan, attempt.runs_point, claimed.spec.seed, attempt.run_dir))
+            layout, plan, attempt.runs_point, claimed.spec.seed, attempt.run_dir), tuning.pruning_column(plan))
             if attempt.tuning and plan["tune"]["pruner"] != "none" else None)
     except StorageError:  # the storage gone for good: the worker stops (main), the grace period gives it back
         raise
