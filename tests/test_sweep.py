@@ -497,12 +497,12 @@ def test_the_pruning_monitor_stops_a_tuning_trial_whose_logged_loss_is_worse_tha
         (run_dir / "logs").mkdir(parents=True)
         rows = "".join(f"{step},,{v}\n" for step, v in enumerate(values, start=1))
         (run_dir / "logs" / "metrics.csv").write_text("step,train/loss,val/loss\n" + rows + "3,2.1,\n")
-        return PruningMonitor(study.ask(), run_dir)
+        return PruningMonitor(study.ask(), run_dir, "val/loss")
 
     assert monitor_for([3.5, 3.4]).should_prune()  # worse than both at step 2
     good = monitor_for([2.7, 2.2])
     assert not good.should_prune() and good.reported == {1, 2} and good.last == 2.2
-    assert not PruningMonitor(study.ask(), tmp_path / "no-log-yet").should_prune()
+    assert not PruningMonitor(study.ask(), tmp_path / "no-log-yet", "val/loss").should_prune()
 
 
 def test_tuning_with_median_pruning_settles_every_point_and_runs_its_seeds(tmp_path, monkeypatch):

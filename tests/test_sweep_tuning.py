@@ -62,6 +62,15 @@ def flaky_run(cfg, run_dir, data_dir=None, cache_dir=None):
     return fake_run(cfg, run_dir, data_dir, cache_dir)
 
 
+def first_tuning_trial_fails(cfg, run_dir, data_dir=None, cache_dir=None):
+    """The first tuning trial to start fails (for good, with max_retries 0); every other run trains as fake_run."""
+    marker = Path(os.environ["STUDY_TEST_FAILED_ONCE"])
+    if cfg.train.seed == 1000 and not marker.exists():
+        marker.write_text("")
+        raise RuntimeError("scripted failure of one tuning trial")
+    return fake_run(cfg, run_dir, data_dir, cache_dir)
+
+
 def leaves_an_objectiveless_seed_run(cfg, run_dir, data_dir=None, cache_dir=None):
     """As the run layer: a finished run directory is handed back untrained. A tuning trial also leaves its config's
     seed-0 directory finished without the objective (another sweep's run of that config, whose task broke its
@@ -415,3 +424,18 @@ def test_median_pruning_judges_the_curve_the_objectives_task_declares_comparable
                                             "tasks": {"lm": {"curves": {"valid": "val/loss"}}}}) == "val/loss"
     with pytest.raises(ValueError, match="declares no validation curve for task 'lm'"):
         tuning.pruning_column(_plan() | {"objective": {"metric": "valid_loss", "task": "lm"}, "tasks": {}})
+
+
+def test_a_rerun_does_not_retrain_a_failed_tuning_trial_of_a_point_already_settled(tmp_path, monkeypatch):
+    """The point chose from the tuning trial that completed and its seed ran; its setting is chosen once, so the
+    tuning trial that failed is not retried by the next `study sweep` (it could change nothing)."""
+    monkeypatch.setenv("STUDY_TEST_FAILED_ONCE", str(tmp_path / "failed-once"))
+    path = write_spec(tmp_path, tune=LR, **ONE_POINT, max_retries=0)
+    options = runner_opts(tmp_path, "first_tuning_trial_fails")
+    first = run_sweep(path, options, say=quiet)
+    entry = tuned_entry(tmp_path)
+    assert first["failed"] == 1 and first["done"] == 2 and entry["point"]
+    again = run_sweep(path, options, say=quiet)
+    assert again == first and tuned_entry(tmp_path) == entry
+    queue, _ = queue_for(tmp_path / "results" / "t")
+    assert len(queue.trials()) == 3  # two tuning trials and the seed: nothing queued again

@@ -30,7 +30,7 @@ from study.sweep.devices import assign, claim, gpus_per_trial, visible_gpus
 from study.sweep.trial import DEFAULT_RUNNER
 from study.sweep.layout import (SweepLayout, all_keys, check_storage, finished_results, read_tuned, record_storage,
                                 recorded_storage, trial_specs)
-from study.sweep.tuning import settle_tuning_locked
+from study.sweep.tuning import retryable, settle_tuning_locked
 from study.sweep.worker import GIVE_BACK_S, STORAGE_ENV, WorkerOptions, die_with_parent, open_queue, run_worker
 
 log = logging.getLogger(__name__)
@@ -93,11 +93,12 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     started = time.time()
     plan_data = read_json(layout.plan_path)
     queue = open_queue(plan_data, url, opts.storage_retry_s)
-    specs = trial_specs(plan_data, read_tuned(layout))
+    tuned = read_tuned(layout)
+    specs = trial_specs(plan_data, tuned)
     keys = all_keys(plan_data)
     finished = finished_results(layout, specs, plan.metric)
     with queue.lock():
-        added = queue.sync_locked(specs, finished, retry_failed=True, verify_files=True)
+        added = queue.sync_locked(retryable(specs, plan_data, tuned), finished, retry_failed=True, verify_files=True)
         if plan_data.get("tune"):  # tuning that ended while no worker could settle it (a kill)
             settle_tuning_locked(queue, layout, plan_data, [p["point"] for p in plan_data["points"]])
     counts = queue.counts(keys)

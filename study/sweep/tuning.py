@@ -17,8 +17,8 @@ from typing import Any
 
 from study.io import atomic_write_json
 from study.record import RunDir, metric_value
-from study.sweep.layout import (SweepLayout, finished_results, read_tuned, trial_specs, tuning_id, tuning_index,
-                                tuning_key)
+from study.sweep.layout import (SweepLayout, current_tuned, finished_results, read_tuned, trial_specs, tuning_id,
+                                tuning_index, tuning_key)
 from study.sweep.queue import Claimed, TrialQueue
 
 
@@ -186,6 +186,14 @@ def entry_for(tuned: dict[str, Any], point: str, plan: dict[str, Any]) -> dict[s
         "ranked_by": {k: plan["objective"][k] for k in ("metric", "direction")}, "trials": []}
     tuned[point] = {**current, **({"superseded": earlier} if earlier else {})}
     return tuned[point]
+
+
+def retryable(specs: list, plan: dict[str, Any], tuned: dict[str, Any]) -> list:
+    """The trials a rerun may queue again: all but the tuning trials of a point whose setting is chosen. A point's
+    setting is chosen once, so a failed tuning trial retried after it could not change it: it would train for
+    nothing, and its result would sit in tuned.json beside a choice it may beat."""
+    chosen = {point for point, entry in current_tuned(plan, tuned).items() if entry.get("point")}
+    return [s for s in specs if s.kind != "tune" or s.point not in chosen]
 
 
 def settle_points(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], points: list[str]) -> None:
