@@ -109,8 +109,8 @@ def test_axis_choices_come_from_registries():
 def test_presets_are_the_published_recipes():
     llama = preset("llama2")
     assert (llama.norm, llama.norm_position, llama.position, llama.activation) == ("rmsnorm", "pre", "rope", "swiglu")
-    assert llama.attention_kind == "gqa" and not llama.bias
-    assert preset("mistral").window == 4096
+    assert llama.attention_kind == "mha" and not llama.bias  # the 7B (GQA is the 34B's and 70B's)
+    assert preset("mistral").window == 4096 and preset("mistral").attention_kind == "gqa"
     bert = preset("bert")
     assert (bert.arch, bert.norm_position, bert.position, bert.nsp) == ("encoder", "post", "learned", True)
     vaswani = preset("vaswani")
@@ -138,7 +138,7 @@ def test_replacing_the_arch_derives_its_default_objective_again():
 def test_preset_overrides_are_validated():
     assert preset("llama2", norm="layernorm").norm == "layernorm"
     with pytest.raises(ConfigError, match="n_kv_heads"):
-        preset("llama2", n_heads=4, d_model=256)  # 8 kv heads no longer divide 4 heads
+        preset("mistral", n_heads=4, d_model=256)  # 8 kv heads no longer divide 4 heads
     with pytest.raises(KeyError, match="valid presets"):
         preset("gpt5")
 

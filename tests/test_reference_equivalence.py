@@ -369,3 +369,28 @@ def test_unsupported_models_and_features_raise():
     two_layers = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=64))
     with pytest.raises(UnsupportedHFModel, match="2 layers and ours 1"):  # never the first layer alone, silently
         from_hf(two_layers, n_layers=1)
+
+
+@pytest.mark.parametrize("name, hf_config", [
+    ("gpt2", lambda t: t.GPT2Config()),
+    ("bert", lambda t: t.BertConfig()),
+    # the published checkpoints' values where Hugging Face's class defaults differ (Llama 2 7B and Mistral 7B v0.1:
+    # RMSNorm eps 1e-5, contexts of 4,096 and 32,768 tokens)
+    ("llama2", lambda t: t.LlamaConfig(rms_norm_eps=1e-5, max_position_embeddings=4096)),
+    ("mistral", lambda t: t.MistralConfig(rms_norm_eps=1e-5, max_position_embeddings=32768)),
+])
+def test_a_preset_is_the_architecture_of_the_model_it_is_named_after(name, hf_config):
+    """Field by field, each unset field read as what it resolves to (d_ff's rule, n_kv_heads = n_heads), the preset
+    equals the config our importer reads from the reference's own config class: the weight-equivalence tests above
+    then cover the preset's architecture, not only small random ones."""
+    import dataclasses
+
+    import transformers
+
+    from study.config import preset
+
+    def resolved(cfg: ModelConfig) -> dict:
+        return {f.name: cfg.resolved(f.name) for f in dataclasses.fields(cfg)}
+
+    imported = config_from_hf(hf_config(transformers), **({"nsp": True} if name == "bert" else {}))
+    assert resolved(preset(name)) == resolved(imported)

@@ -120,7 +120,7 @@ class SwiGLU(Activation):
     cpu_kernel = "swiglu"
 
 
-@ACTIVATIONS.register("geglu", "GELU-gated linear unit (Shazeer 2020; T5 v1.1)")
+@ACTIVATIONS.register("geglu", "GELU-gated linear unit, exact GELU (Shazeer 2020; T5 v1.1 gates with the tanh GELU)")
 class GEGLU(Activation):
     """On a CPU in eager mode, gelu(gate) * up runs as one C++ pass each way (study/axes/kernels/geglu.cpp), for the
     reason SwiGLU's does."""

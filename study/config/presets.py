@@ -42,11 +42,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # d_ff is left to the rule (4 d_model, or 8/3 d_model rounded up to 256 for gated FFNs), so it
     # scales when a sweep overrides d_model; Mistral's 14,336 (3.5 d_model) is not that rule and is set.
-    # Touvron et al. 2023, Llama 2 (7B shape) with grouped-query attention as in its 34B/70B models
-    # (Ainslie et al. 2023): pre-RMSNorm, RoPE, SwiGLU, no biases, untied output.
+    # Touvron et al. 2023, Llama 2 7B: pre-RMSNorm, RoPE, SwiGLU, no biases, untied output, multi-head attention
+    # (only the 34B and 70B models use grouped-query attention: sweep model.n_kv_heads for it).
     "llama2": dict(
         arch="decoder", norm_position="pre", norm="rmsnorm", norm_eps=1e-5, position="rope", rope_theta=10000.0,
-        activation="swiglu", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, dropout=0.0,
+        activation="swiglu", d_model=4096, n_layers=32, n_heads=32, dropout=0.0,
         bias=False, tie_embeddings=False, vocab_size=32000, max_seq_len=4096,
     ),
     # Jiang et al. 2023, Mistral 7B: Llama 2 plus a 4,096-token sliding window on every layer.
