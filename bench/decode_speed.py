@@ -5,11 +5,13 @@ and a real test set. Both run the same model code; what differs is the search an
     python bench/decode_speed.py --run runs/decode-speed-model             # 3 rounds, JSON to bench/results/
     python bench/decode_speed.py --run DIR --rounds 5 --threads 1 --quick  # --quick: the first 200 sentences
 
-The test set is decoded exactly as `TranslationModule.translate` decodes it (length-sorted batches of 100, the task's
+The test set is decoded as `TranslationModule.translate` decodes it (length-sorted batches of 100, the task's
 beam size, length penalty and length limits; float32, or with `--precision bf16` under bf16 autocast as a bf16-mixed
-run decodes), once per contestant per round; the order of the two alternates each round so that machine noise lands
-on both. Every round checks that both return identical hypotheses (in bf16 a matmul's rounding may depend on how many
-rows it multiplies, and the new search drops finished sentences, so there the count of differing hypotheses and each
+run decodes), but without its ban on PAD and BOS (since 2026-11-27; the reference predates it and the two must return
+the same translations; the ban costs a top-(2k + 2) instead of 2k and a sort of those per step), once per
+contestant per round; the order of the two alternates each round so that machine noise lands on both. Every
+round checks that both return identical hypotheses (in bf16 a matmul's rounding may depend on how many rows it
+multiplies, and the new search drops finished sentences, so there the count of differing hypotheses and each
 side's BLEU are recorded instead). Reported: sentences/s and generated tokens/s (hypothesis tokens plus the EOS) per
 contestant from its median round, and the median over rounds of the per-round time ratio reference / new.
 """

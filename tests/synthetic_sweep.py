@@ -258,7 +258,8 @@ def make_pretrain_sweep(root: str | Path, seeds=(0, 1, 2), sweep: str = "nsp-pre
             run_dir = root / "runs" / p["point"] / f"seed-{seed}"
             metrics = _pretrain_metrics(rng, nsp, seed)
             rows.append(_identity(sweep, p, seed, "pretrain", "wikitext-2", run_dir) | {
-                "config.model.nsp": p["axes"]["nsp"], "status": "completed", "attempts": 1, "error": "", "steps": 200, "diverged_at_step": np.nan,
+                "config.model.nsp": p["axes"]["nsp"],  # what ran, as study.sweep.results.resolved_fields records it
+                "status": "completed", "attempts": 1, "error": "", "steps": 200, "diverged_at_step": np.nan,
                 "train_tokens": 204800, "stopped_by": ""} | metrics)
             if with_runs:
                 (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -309,7 +310,8 @@ def make_nsp_glue_sweep(root: str | Path, seeds=(0, 1, 2), sweep: str = "nsp-glu
         nsp = p["axes"]["nsp"] == "true"
         for seed in seeds:
             rows.append(_identity(sweep, p, seed, "glue", "glue", root / "runs" / p["point"] / f"seed-{seed}") | {
-                "config.model.nsp": p["axes"]["nsp"], "status": "completed", "attempts": 1, "error": "", "steps": 1500, "diverged_at_step": np.nan,
+                "config.model.nsp": p["axes"]["nsp"],
+                "status": "completed", "attempts": 1, "error": "", "steps": 1500, "diverged_at_step": np.nan,
                 "train_tokens": 6e6, "stopped_by": ""} | _glue_metrics(rng, nsp, seed, nsp_effect))
     objective = {"metric": "glue_score", "direction": "maximize", "scale": "0-100", "task": "glue"}
     plan = _plan(sweep, "ofat", seeds, axes, points, objective, ["pretrain", "glue"], ["pretrain", "glue"],

@@ -292,7 +292,7 @@ def test_a_metric_the_variants_define_differently_is_marked_and_never_given_a_ve
     root = _vocab_sweep(tmp_path)
     r = load_results(root)
     assert r.defined_differently("metric.valid_ppl", "lm", ["baseline", "norm=layernorm"]) == {
-        "task.vocab_size": ["16000", "8000"]}
+        "task.vocab_size": ["8000", "16000"]}
     assert r.defined_differently("metric.valid_ppl", "lm", ["baseline"]) == {}
     out = build_report(root, tmp_path / "out", kinds=())
     md = out.markdown.read_text()
@@ -300,7 +300,8 @@ def test_a_metric_the_variants_define_differently_is_marked_and_never_given_a_ve
     assert "**† Not comparable across these variants:** `valid_loss` is defined by `task.vocab_size`" in md
     paired = pd.read_csv(out.out / "paired.csv").set_index("label")
     assert paired.loc["norm=layernorm", "verdict"] == "not comparable"
-    assert math.isnan(paired.loc["norm=layernorm", "p_value"]) and "this report makes 0 paired tests" in md
+    assert paired.loc[["norm=layernorm"], ["diff", "ci_lo", "ci_hi", "p_value", "mde"]].isna().all(axis=None)
+    assert "this report makes 0 paired tests" in md
 
 
 def test_an_earlier_stages_metric_defined_by_the_swept_field_is_marked_and_the_shared_format_one_is_not(tmp_path):
@@ -314,3 +315,21 @@ def test_an_earlier_stages_metric_defined_by_the_swept_field_is_marked_and_the_s
     assert "`pretrain.valid_mlm_loss` is defined by `model.nsp`, which the variants ran differently " \
            "(`model.nsp`: false, true)" in stage
     assert "valid_mlm_loss_full_sentences` is defined" not in stage
+
+
+def test_a_stage_metric_is_marked_where_tuning_chose_its_defining_field_per_variant_or_the_table_predates_it(tmp_path):
+    """Tuning `pretrain.task.mlm_probability` by the GLUE score gives each variant its own masking share: the
+    full-sentences MLM loss (defined by it) then differs in meaning too. A table written before `config.*` columns
+    existed is read through the planned configs (model.nsp is set in each point's)."""
+    root = make_nsp_glue_sweep(tmp_path / "nsp")
+    plan = json.loads((root / "plan.json").read_text())
+    plan["tune"] = {"field": "pretrain.task.mlm_probability", "low": 0.1, "high": 0.3, "trials": 2}
+    (root / "plan.json").write_text(json.dumps(plan))
+    _rewrite(root, lambda t: t.drop(columns=["config.model.nsp"]).assign(**{
+        "tuned.pretrain.task.mlm_probability": t["label"].map({"baseline": 0.15, "nsp=false": 0.2})}))
+    r = load_results(root)
+    both = ["baseline", "nsp=false"]
+    assert r.defined_differently("metric.pretrain.valid_mlm_loss_full_sentences", "glue", both) == {
+        "task.mlm_probability": ["0.15", "0.2"]}
+    assert r.defined_differently("metric.pretrain.valid_mlm_loss", "glue", both) == {
+        "task.mlm_probability": ["0.15", "0.2"], "model.nsp": ["false", "true"]}

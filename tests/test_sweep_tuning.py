@@ -71,6 +71,17 @@ def first_tuning_trial_fails(cfg, run_dir, data_dir=None, cache_dir=None):
     return fake_run(cfg, run_dir, data_dir, cache_dir)
 
 
+def second_tuning_trial_fails_once(cfg, run_dir, data_dir=None, cache_dir=None):
+    """The second tuning trial to start fails on its first attempt; every other run trains as fake_run."""
+    count = Path(os.environ["STUDY_TEST_FAILED_ONCE"])
+    if cfg.train.seed == 1000:
+        started = len(count.read_text()) if count.exists() else 0
+        count.write_text("x" * (started + 1))
+        if started == 1:
+            raise RuntimeError("scripted failure of one attempt")
+    return fake_run(cfg, run_dir, data_dir, cache_dir)
+
+
 def leaves_an_objectiveless_seed_run(cfg, run_dir, data_dir=None, cache_dir=None):
     """As the run layer: a finished run directory is handed back untrained. A tuning trial also leaves its config's
     seed-0 directory finished without the objective (another sweep's run of that config, whose task broke its
@@ -387,13 +398,15 @@ def test_a_tuning_trial_recorded_after_another_worker_settled_its_point_is_liste
 
 def test_a_diverged_tuning_trial_is_a_bad_result_tpe_learns_from_not_a_failure_it_ignores(tmp_path):
     """TPE draws from the trials it was told completed or pruned; a failed one teaches it nothing, so a learning
-    rate tuned near where training diverges would keep being proposed there. (The fake run diverges at lr >= 1.)"""
+    rate tuned near where training diverges would keep being proposed there. A diverged trial is told completed
+    with the worst value there is, ranked below every other (as pruned it would outrank a trial pruned earlier).
+    (The fake run diverges at lr >= 1.)"""
     path = write_spec(tmp_path, tune={**LR, "low": 1.0, "high": 2.0, "log": False}, **ONE_POINT)
     run_sweep(path, opts(tmp_path), say=quiet)
     storage = open_storage(f"sqlite:///{tmp_path / 'results' / 't' / 'study.db'}")
     (name,) = [n for n in optuna.get_all_study_names(storage) if "~tune~" in n]
-    states = [t.state.name for t in optuna.load_study(study_name=name, storage=storage).trials]
-    assert states == ["PRUNED", "PRUNED"]
+    told = [(t.state.name, t.value) for t in optuna.load_study(study_name=name, storage=storage).trials]
+    assert told == [("COMPLETE", float("inf"))] * 2
     entry = tuned_entry(tmp_path)
     assert [t["status"] for t in entry["trials"]] == ["diverged", "diverged"] and "point" not in entry
 
@@ -439,3 +452,26 @@ def test_a_rerun_does_not_retrain_a_failed_tuning_trial_of_a_point_already_settl
     assert again == first and tuned_entry(tmp_path) == entry
     queue, _ = queue_for(tmp_path / "results" / "t")
     assert len(queue.trials()) == 3  # two tuning trials and the seed: nothing queued again
+
+
+def test_a_point_is_not_settled_while_a_failed_tuning_trials_retry_is_being_queued(tmp_path, monkeypatch):
+    """Failing an attempt and queueing its retry are two storage updates; another worker settling the point between
+    them must not take the key for failed for good (it would choose without it, and ignore the retry's result)."""
+    from study.sweep.queue import TrialQueue as Queue
+
+    monkeypatch.setenv("STUDY_TEST_FAILED_ONCE", str(tmp_path / "started"))
+    path = write_spec(tmp_path, tune=LR, **ONE_POINT, max_retries=1)
+    requeue, seen = Queue._requeue, []
+
+    def settle_first(self, trial, reason, counts=True):  # the other worker, in the window
+        layout = SweepLayout(tmp_path / "results" / "t")
+        tuning.settle_points(self, layout, read_json(layout.plan_path), [trial.user_attrs["point"]])
+        seen.append("point" in tuned_entry(tmp_path))
+        return requeue(self, trial, reason, counts)
+
+    monkeypatch.setattr(Queue, "_requeue", settle_first)
+    final = run_sweep(path, runner_opts(tmp_path, "second_tuning_trial_fails_once"), say=quiet)
+    entry = tuned_entry(tmp_path)
+    assert seen == [False] and final["done"] == 3
+    completed = [t for t in entry["trials"] if t["status"] == "completed"]
+    assert len(completed) == 2 and entry["objective"] == min(t["objective"] for t in completed)

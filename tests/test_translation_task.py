@@ -492,13 +492,15 @@ def test_a_model_that_prefers_pad_and_bos_still_translates_into_words(trained, d
     module, dm, _ = reload(trained, data_root)
     sources = dm.corpus.sources("test_2016_flickr")[:20]
     plain = module.translate(sources, dm, beam_size=1)
-    decode = module.model.decode
+    decode, preferred = module.model.decode, []
 
     def prefers_pad_and_bos(*args, **kwargs):
         logits = decode(*args, **kwargs).clone()
         logits[..., [PAD, BOS]] += 50.0
+        preferred.append(set(logits[:, -1].argmax(-1).tolist()) <= {PAD, BOS})  # (the bias does take effect)
         return logits
 
     monkeypatch.setattr(module.model, "decode", prefers_pad_and_bos)
     assert module.translate(sources, dm, beam_size=1) == plain
+    assert preferred and all(preferred)
     assert all(h.strip() for h in plain) and all(h.strip() for h in module.translate(sources, dm))  # beam search

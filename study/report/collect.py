@@ -334,25 +334,38 @@ class SweepResults:
     def defined_differently(self, column: str, task: str | None, labels: list[str]) -> dict[str, list[str]]:
         """field -> the values the cells `labels` ran it at, for each field that decides what `column` measures (its
         declared `defined_by`) and that they ran differently: there the column measures a different thing in each
-        (one vocabulary's per-token loss beside another's), and its values are not comparable. Only a field an axis
-        sets can differ between cells; a cell whose table row does not record it is left out."""
+        (one vocabulary's per-token loss beside another's), and its values are not comparable."""
         spec = self.declaration(column, task)
         out = {}
         for field in spec.defined_by if spec is not None else ():
-            for path in self._axis_paths(field, spec.stage):
-                ran = {v for label in labels if (v := self.ran_at(label, path)) is not None}
-                if len(ran) > 1:
-                    out[field] = sorted(ran)
+            ran = {v for label in labels if (v := self._defining_value(label, field, spec.stage)) is not None}
+            if len(ran) > 1:
+                out[field] = sorted(ran, key=_numbers_first)
         return out
 
-    def _axis_paths(self, field: str, stage: str | None) -> list[str]:
-        """The axis paths (plan.json's axis_fields) that set `field` of `stage`, by study.config.sweep.route's rule:
-        in a study in stages a path names its stage (`pretrain.task.mlm_probability`), and `model.*` alone is the
-        first stage's."""
-        paths = {p for ps in (self.plan.get("axis_fields") or {}).values() for p in ps}
-        wanted = {field} if not self.stages else {f"{stage}.{field}"} | (
-            {field} if stage == self.stages[0] and field.startswith("model.") else set())
-        return sorted(paths & wanted)
+    def _defining_value(self, label: str, field: str, stage: str | None) -> str | None:
+        """The value cell `label` ran `field` (of `stage`) at: as tuning chose it (`tuned.<field>`), else as an axis
+        set it (`ran_at`: what ran), else as planned, literally (None where unset: every cell then has the default,
+        except a field the config derives, such as the tokenizer from the dataset, which is not recorded)."""
+        spellings = self._spellings(field, stage)
+        tuned = f"tuned.{(self.plan.get('tune') or {}).get('field')}"
+        if tuned[len("tuned."):] in spellings and tuned in self.table:
+            values = self.table.loc[self.table["label"] == label, tuned].dropna()
+            if len(values):
+                return normalise_value(values.iloc[0])
+        axis_paths = {p for ps in (self.plan.get("axis_fields") or {}).values() for p in ps}
+        for path in sorted(spellings & axis_paths):
+            if (value := self.ran_at(label, path)) is not None:
+                return value
+        planned = config_field(self.experiment_config(label, stage), field)
+        return None if planned is None else normalise_value(planned)
+
+    def _spellings(self, field: str, stage: str | None) -> set[str]:
+        """The paths a spec may set `field` of `stage` by (study.config.sweep.route's rule: in a study in stages a path
+        names its stage, `pretrain.task.mlm_probability`, and `model.*` alone is the first stage's)."""
+        if not self.stages:
+            return {field}
+        return {f"{stage}.{field}"} | ({field} if stage == self.stages[0] and field.startswith("model.") else set())
 
     def set_alike(self, labels: tuple[str, str], fields: list[str]) -> bool:
         """Do two cells set every field in `fields` alike, as they ran? On the values the table records (a cell that
@@ -501,6 +514,14 @@ class SweepResults:
         if not stages:
             return cfg
         return (stages.get(stage) if stage else list(stages.values())[-1]) or {}
+
+
+def _numbers_first(value: str) -> tuple:
+    """Sort key: numbers in numeric order (8000 before 16000), then other text."""
+    try:
+        return 0, float(value), ""
+    except ValueError:
+        return 1, 0.0, value
 
 
 def config_field(config: dict, dotted: str) -> Any:

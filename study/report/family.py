@@ -62,11 +62,14 @@ def paired_family(results: SweepResults) -> list[PairedTest]:
 
 def _withhold_not_comparable(results: SweepResults, test: PairedTest) -> None:
     """A variant that measures the metric differently from the baseline (SweepResults.defined_differently: another
-    tokenizer under a per-token loss) is not tested: its verdict is 'not comparable' and it leaves the Holm family.
-    (The plan refuses such an objective; a plan written before it did, or a secondary metric, may still pair them.)"""
+    tokenizer under a per-token loss) is not tested: its difference, interval and p-value are left out (the table,
+    paired.csv and the figure show the verdict alone), its verdict is 'not comparable', and it leaves the Holm
+    family. (The plan refuses such an objective; a plan written before it did may still pair them.)"""
+    blank = ["diff", "ci_lo", "ci_hi", "p_value", "mde"]
     for i, label in test.table["label"].items():
         if results.defined_differently(test.column, test.task, [results.baseline_label, str(label)]):
-            test.table.loc[i, ["p_value", "verdict"]] = [float("nan"), NOT_COMPARABLE]
+            test.table.loc[i, blank] = float("nan")
+            test.table.loc[i, ["test", "verdict"]] = ["", NOT_COMPARABLE]
 
 
 def family_size(family: list[PairedTest]) -> int:

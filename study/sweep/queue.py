@@ -38,6 +38,9 @@ from optuna.trial import TrialState
 
 log = logging.getLogger(__name__)
 ACTIVE = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
+# A failed attempt that is about to be queued again: set before it is failed, so that between the failure and the
+# retry (two storage updates) no other worker takes its key for failed for good (retry_pending)
+RETRYING = "retrying"
 LOCK_STALE_S = 120.0  # a lock held this long by a process elsewhere is taken over
 LOCK_SAY_EVERY_S = 10.0
 
@@ -300,7 +303,7 @@ class TrialQueue:
         attempt = int(trial.user_attrs.get("attempt", 1))
         if not counts:
             attempt -= 1
-        elif attempt > self.max_retries:
+        elif not self._retries_left(attempt):
             log.warning("trial %s (%s) failed %d time(s): %s; not retried again in this run",
                         trial.number, trial.user_attrs.get("label"), attempt, reason)
             return False
@@ -311,6 +314,9 @@ class TrialQueue:
                                                   "retry_reason": reason})
         log.warning("re-queued %s (attempt %d): %s", trial.user_attrs.get("label"), attempt + 1, reason)
         return True
+
+    def _retries_left(self, attempt: int) -> bool:
+        return attempt <= self.max_retries
 
     # -- claiming -------------------------------------------------------------------------
     def lost_running(self) -> list[tuple[optuna.trial.FrozenTrial, str]]:
@@ -340,6 +346,8 @@ class TrialQueue:
         won = []
         for t, reason in self.lost_running():
             try:
+                retrying = self._retries_left(int(t.user_attrs.get("attempt", 1)))
+                self.storage.set_trial_user_attr(t._trial_id, RETRYING, retrying)
                 if not self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
                     continue
             except optuna.exceptions.UpdateFinishedTrialError:
@@ -427,10 +435,12 @@ class TrialQueue:
         UpdateFinishedTrialError when another process ended the trial first (see `_end`)."""
         self.storage.set_trial_user_attr(claimed.trial_id, "error", error[-2000:])
         self.storage.set_trial_user_attr(claimed.trial_id, "status", "failed")
+        self.storage.set_trial_user_attr(claimed.trial_id, RETRYING, retry and self._retries_left(claimed.attempt))
         self._end(claimed, TrialState.FAIL)
         if not retry:
             return False
-        return self._requeue(self.storage.get_trial(claimed.trial_id), error.strip().splitlines()[-1] if error.strip() else "error")
+        reason = error.strip().splitlines()[-1] if error.strip() else "error"
+        return self._requeue(self.storage.get_trial(claimed.trial_id), reason)
 
     def _end(self, claimed: Claimed, state: TrialState, value: float | None = None) -> None:
         """The storage's atomic RUNNING -> `state` update. Not `study.tell`: when another worker reaped the trial a
@@ -441,5 +451,14 @@ class TrialQueue:
     def release(self, claimed: Claimed, reason: str) -> None:
         """Give a claimed trial back (this worker is stopping): fail it and re-queue it."""
         with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+            self.storage.set_trial_user_attr(claimed.trial_id, RETRYING, True)
             if self.storage.set_trial_state_values(claimed.trial_id, state=TrialState.FAIL):
                 self._requeue(self.storage.get_trial(claimed.trial_id), reason, counts=False)
+
+
+def retry_pending(trials: list[optuna.trial.FrozenTrial]) -> bool:
+    """Whether one key's trials include a failed attempt whose retry is not queued yet (marked RETRYING and no later
+    trial of the key): its worker is between failing it and queueing the retry. One that died there leaves the key
+    to the next `study sweep`, which queues failed keys again."""
+    latest = max((t.number for t in trials), default=-1)
+    return any(t.state == TrialState.FAIL and t.user_attrs.get(RETRYING) and t.number == latest for t in trials)

@@ -19,7 +19,7 @@ from study.io import atomic_write_json
 from study.record import RunDir, metric_value
 from study.sweep.layout import (SweepLayout, current_tuned, finished_results, read_tuned, trial_specs, tuning_id,
                                 tuning_index, tuning_key)
-from study.sweep.queue import Claimed, TrialQueue
+from study.sweep.queue import Claimed, TrialQueue, retry_pending
 
 
 class PruningMonitor:
@@ -139,15 +139,17 @@ def finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, 
                         study, trial, runs_point: str, status: str, value: float | None, tell: bool = True,
                         **extra: Any) -> None:
     """Tell TPE the outcome, record it in tuned.json, and settle the point if its tuning is over. `value` is the
-    objective of a completed trial; a pruned or diverged one has none (`extra`: the last validation loss it logged, with its
-    step), a failed one its error."""
+    objective of a completed trial; a pruned or diverged one has none (`extra`: the last validation loss it logged,
+    with its step), a failed one its error."""
     from optuna.trial import TrialState
 
     ok = status == "completed" and value is not None and math.isfinite(value)
-    if tell:  # a diverged setting is a result, the worst: told as pruned, TPE ranks it below every completed one
-        # and steers away from it (a failure it would ignore, and keep proposing the region where lr diverges)
-        state = TrialState.PRUNED if status in ("pruned", "diverged") else TrialState.COMPLETE if ok else \
-            TrialState.FAIL
+    if tell and status == "diverged":  # a result, the worst there is: TPE ranks it below every other and steers
+        # away from it (told as a failure, TPE would ignore it and keep proposing the region where lr diverges; told
+        # as pruned, it would outrank a trial pruned at an earlier step)
+        study.tell(trial, math.inf if study.direction.name == "MINIMIZE" else -math.inf)
+    elif tell:
+        state = TrialState.PRUNED if status == "pruned" else TrialState.COMPLETE if ok else TrialState.FAIL
         study.tell(trial, value if ok else None, state=state)
     record_tuning_trial(queue, layout, plan, claimed.spec.point, {
         "key": claimed.spec.key, "value": trial.params.get(plan["tune"]["field"]), "status": status,
@@ -231,10 +233,13 @@ def settle_tuning_locked(queue: TrialQueue, layout: SweepLayout, plan: dict[str,
 
 
 def _over(trials: list) -> bool:
+    """Whether a tuning key has ended: a completed or failed trial, none waiting or running, and no failed attempt
+    whose retry its worker has yet to queue."""
     from optuna.trial import TrialState
 
     return (any(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials)
-            and not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials))
+            and not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials)
+            and not retry_pending(trials))
 
 
 def _recover(layout: SweepLayout, plan: dict[str, Any], entry: dict[str, Any], keys: list[str], groups) -> None:
