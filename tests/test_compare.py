@@ -89,6 +89,26 @@ def test_a_model_twenty_times_smaller_is_not_directly_comparable(tmp_path, publi
     assert "different size (parameters ours/published 1/20.6)" in row["comparability"]
 
 
+def test_a_bert_base_sized_encoder_of_our_own_pretraining_is_not_bert(tmp_path, published):
+    """At BERT-base's size and with its objectives, our encoder was still pretrained by a `pretrain` run of this
+    project (task.init_from names one), never on BERT's corpus for its million steps: not directly comparable, and
+    the published pretraining is named."""
+    run = glue_run(tmp_path, PRETRAINED_NSP)
+    measurement = replace(run_measurements([run])[0], params=110e6)
+    row = _row(compare_numbers([measurement], published), "devlin18-t5-nsp-sst2")
+    assert row["same_size"] and row["same_model_variant"] and not row["comparable"]
+    assert row["comparability"] == ("NOT directly comparable: different pretraining (ours: a `pretrain` run of this "
+                                    "project; published: " + _published_setting(published, "devlin18-t5-nsp-sst2")
+                                    + ")")
+    random_init = replace(run_measurements([glue_run(tmp_path, RANDOM, name="r")])[0], params=110e6)
+    assert "different pretraining" not in _row(compare_numbers([random_init], published),
+                                               "devlin18-t5-nsp-sst2")["comparability"]  # (another model variant)
+
+
+def _published_setting(published: pd.DataFrame, published_id: str) -> str:
+    return str(published.set_index("id").loc[published_id, "setting"])
+
+
 def test_a_schema1_glue_record_is_put_on_0_100_by_its_rule(tmp_path, published):
     """Schema 1 stored task metrics as fractions and scores on 0-100; its per-seed values are read with that rule."""
     record = {"status": "completed", "steps": 30, "metrics": {

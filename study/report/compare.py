@@ -142,8 +142,9 @@ def _same_selection(pub: pd.Series) -> bool:
 
 def _setting_differences(m: Measurement, pub: pd.Series) -> tuple[list[str], list[str]]:
     """(differences, notes) in what the number is read at: the evaluation context (ours: task.seq_len tokens per
-    window; a longer context lowers a language model's loss), which model is reported (see OUR_SELECTION) and what
-    part of the split it covers (ours: Measurement.eval_subset; a published number is taken to cover its split)."""
+    window; a longer context lowers a language model's loss), which model is reported (see OUR_SELECTION), what
+    part of the split it covers (ours: Measurement.eval_subset; a published number is taken to cover its split) and,
+    for a fine-tuned pretrained model, its pretraining (corpus and length decide much of a GLUE score)."""
     parts, notes = [], []
     theirs = _published_context(pub)
     if theirs is not None and m.context is None:
@@ -157,6 +158,10 @@ def _setting_differences(m: Measurement, pub: pd.Series) -> tuple[list[str], lis
     if m.eval_subset:
         parts.append(f"only part of the split evaluated (ours: {m.eval_subset}, as task.eval_tokens sets; "
                      "published: the whole split)")
+    if m.model_variant.startswith("pretrained:") and str(pub.get("model_variant", "")).startswith("pretrained:"):
+        # task.init_from is always one of our pretrain runs: never the published corpus and budget
+        theirs = str(pub.get("setting", "") or "").strip() or "its own, not restated here"
+        parts.append(f"different pretraining (ours: a `pretrain` run of this project; published: {theirs})")
     return parts, notes
 
 
