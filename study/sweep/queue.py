@@ -346,9 +346,7 @@ class TrialQueue:
         won = []
         for t, reason in self.lost_running():
             try:
-                retrying = self._retries_left(int(t.user_attrs.get("attempt", 1)))
-                self.storage.set_trial_user_attr(t._trial_id, RETRYING, retrying)
-                if not self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                if not self._fail(t._trial_id, retrying=self._retries_left(int(t.user_attrs.get("attempt", 1)))):
                     continue
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue  # another worker got there first; it re-queues
@@ -435,12 +433,17 @@ class TrialQueue:
         UpdateFinishedTrialError when another process ended the trial first (see `_end`)."""
         self.storage.set_trial_user_attr(claimed.trial_id, "error", error[-2000:])
         self.storage.set_trial_user_attr(claimed.trial_id, "status", "failed")
-        self.storage.set_trial_user_attr(claimed.trial_id, RETRYING, retry and self._retries_left(claimed.attempt))
-        self._end(claimed, TrialState.FAIL)
+        self._fail(claimed.trial_id, retrying=retry and self._retries_left(claimed.attempt))
         if not retry:
             return False
         reason = error.strip().splitlines()[-1] if error.strip() else "error"
         return self._requeue(self.storage.get_trial(claimed.trial_id), reason)
+
+    def _fail(self, trial_id: int, retrying: bool) -> bool:
+        """The storage's atomic RUNNING -> FAIL update (see `_end`), marked first with whether the attempt is queued
+        again next (RETRYING, read by retry_pending); False where the trial had already left RUNNING."""
+        self.storage.set_trial_user_attr(trial_id, RETRYING, retrying)
+        return self.storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
 
     def _end(self, claimed: Claimed, state: TrialState, value: float | None = None) -> None:
         """The storage's atomic RUNNING -> `state` update. Not `study.tell`: when another worker reaped the trial a
@@ -451,8 +454,7 @@ class TrialQueue:
     def release(self, claimed: Claimed, reason: str) -> None:
         """Give a claimed trial back (this worker is stopping): fail it and re-queue it."""
         with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
-            self.storage.set_trial_user_attr(claimed.trial_id, RETRYING, True)
-            if self.storage.set_trial_state_values(claimed.trial_id, state=TrialState.FAIL):
+            if self._fail(claimed.trial_id, retrying=True):
                 self._requeue(self.storage.get_trial(claimed.trial_id), reason, counts=False)
 
 
