@@ -8,6 +8,7 @@ The queue, the processes and the files are real; training is scripted (`sweep_fa
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -475,3 +476,41 @@ def test_a_point_is_not_settled_while_a_failed_tuning_trials_retry_is_being_queu
     assert seen == [False] and final["done"] == 3
     completed = [t for t in entry["trials"] if t["status"] == "completed"]
     assert len(completed) == 2 and entry["objective"] == min(t["objective"] for t in completed)
+
+
+@pytest.mark.parametrize("ended", ["interrupted", "killed"])
+def test_a_tuning_trial_whose_worker_stopped_is_retried_at_the_setting_it_drew(tmp_path, monkeypatch, ended):
+    """Its worker interrupted (Ctrl-C gives the trial back) or killed (the next worker reaps it), a tuning trial is
+    retried at the setting it drew, in the same run directory, so it resumes from that attempt's checkpoint as any
+    retried trial does, rather than restarting at a fresh draw; the attempt's TPE trial ends (a killed worker's
+    would otherwise stay running for good)."""
+    path, supervise, interrupted = write_spec(tmp_path, tune=LR, **ONE_POINT), worker._supervise, worker._interrupted
+
+    def stopped(queue, child, attempt, pruning):  # the first tuning trial's worker stops as the trial trains
+        monkeypatch.setattr(worker, "_supervise", supervise)
+        if ended == "killed":  # nothing is given back: the trial stays running in the queue and in TPE
+            monkeypatch.setattr(worker, "_interrupted", lambda *args: None)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(worker, "_supervise", stopped)
+    with pytest.raises(SweepInterrupted):
+        run_sweep(path, opts(tmp_path), say=quiet)
+    queue, _ = queue_for(tmp_path / "results" / "t")
+    (first,) = [t for t in queue.trials() if "tuned_value" in t.user_attrs]
+    if ended == "killed":
+        assert first.state.name == "RUNNING"
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        queue.storage.set_trial_user_attr(first._trial_id, "worker", f"{socket.gethostname()}:{gone.pid}")
+    monkeypatch.setattr(worker, "_interrupted", interrupted)
+    final = run_sweep(path, opts(tmp_path), say=quiet)
+    assert final["done"] == 3
+    retry = next(t for t in queue.trials() if t.user_attrs.get("retry_of") == first.number)
+    assert retry.user_attrs["tuned_value"] == first.user_attrs["tuned_value"]
+    assert retry.user_attrs["runs_point"] == first.user_attrs["runs_point"]
+    storage = open_storage(f"sqlite:///{tmp_path / 'results' / 't' / 'study.db'}")
+    (name,) = [n for n in optuna.get_all_study_names(storage) if "~tune~" in n]
+    told = optuna.load_study(study_name=name, storage=storage).trials
+    assert sorted(t.state.name for t in told) == ["COMPLETE", "COMPLETE", "FAIL"]
+    stopped_at, retried_at = told[first.user_attrs["tune_trial"]], told[retry.user_attrs["tune_trial"]]
+    assert stopped_at.state.name == "FAIL" and retried_at.params == stopped_at.params

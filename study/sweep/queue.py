@@ -111,6 +111,7 @@ class Claimed:
     spec: TrialSpec
     attempt: int
     supersedes: tuple[int, ...] = ()  # completed trials of this key whose run directory was lost
+    retry_of: int | None = None  # the trial number of the attempt this one retries
 
 
 def _host() -> str:
@@ -374,7 +375,7 @@ class TrialQueue:
         run: its key left the plan, or another trial of its key is done or running."""
         spec = TrialSpec.from_attrs(t.user_attrs)
         claimed = Claimed(trial_id=t._trial_id, number=t.number, spec=spec, attempt=int(t.user_attrs.get("attempt", 1)),
-                          supersedes=tuple(t.user_attrs.get("supersedes", ())))
+                          supersedes=tuple(t.user_attrs.get("supersedes", ())), retry_of=t.user_attrs.get("retry_of"))
         self.storage.set_trial_user_attr(t._trial_id, "worker", self.worker)
         self.beat(claimed)
         if keys is not None and spec.key not in keys:

@@ -87,21 +87,29 @@ def pruned_run_dir(layout: SweepLayout, plan: dict[str, Any], runs_point: str, s
     return stage_dir(cfg, objective_stage(plan["objective"]["metric"], stages), run_dir, layout.runs_root)
 
 
-def tune_study(queue: TrialQueue, plan: dict[str, Any], point: str, index: int = 0):
+def tune_study(queue: TrialQueue, plan: dict[str, Any], point: str, index: int = 0, fixed: float | None = None):
     """The per-point Optuna study whose TPE sampler proposes that point's tuning settings; its name carries the
     tuning settings (`tuning_id`), so changed settings (or a changed objective direction, which Optuna would keep
     for a study it loads) start a new search. The sampler is seeded per tuning trial (`index`), not per worker:
-    workers that start together would otherwise draw the same first settings."""
+    workers that start together would otherwise draw the same first settings. With `fixed`, the trial it asks for
+    runs that setting (a retry's; Optuna's PartialFixedSampler, so no other worker can take it as enqueue_trial's
+    waiting trial could be taken)."""
+    import warnings
+
     import optuna
 
     tune = plan["tune"]
     pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if tune["pruner"] == "median" else \
         optuna.pruners.NopPruner()
+    sampler = optuna.samplers.TPESampler(seed=tune["sampler_seed"] * 10007 + index,
+                                         n_startup_trials=max(2, tune["trials"] // 3))
+    if fixed is not None:
+        with warnings.catch_warnings():  # experimental since Optuna 2.4, unchanged since
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.PartialFixedSampler({tune["field"]: fixed}, sampler)
     return optuna.create_study(
         study_name=f"{plan['sweep']}~tune~{point}~{tuning_id(plan)}", storage=queue.storage,
-        direction=queue.direction, pruner=pruner, load_if_exists=True,
-        sampler=optuna.samplers.TPESampler(seed=tune["sampler_seed"] * 10007 + index,
-                                           n_startup_trials=max(2, tune["trials"] // 3)))
+        direction=queue.direction, pruner=pruner, load_if_exists=True, sampler=sampler)
 
 
 def start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed):
@@ -114,9 +122,13 @@ def start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], c
     from study.io import atomic_write_text, load_yaml
 
     tune = plan["tune"]
-    study = tune_study(queue, plan, claimed.spec.point, tuning_index(claimed.spec.key))
+    drawn, before = _drawn_before(queue, claimed)
+    study = tune_study(queue, plan, claimed.spec.point, tuning_index(claimed.spec.key), fixed=drawn)
+    if before is not None:  # where a killed worker left it running, it ends here (this trial runs its setting)
+        study.tell(before, state=TrialState.FAIL, skip_if_finished=True)
     trial = study.ask()
     try:
+        queue.storage.set_trial_user_attr(claimed.trial_id, "tune_trial", trial.number)
         value = trial.suggest_float(tune["field"], tune["low"], tune["high"], log=tune["log"])
         data = load_yaml(layout.point_config(claimed.spec.point).read_text())
         stage, field = route(tune["field"], plan.get("stages") or [])
@@ -130,9 +142,22 @@ def start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], c
         queue.storage.set_trial_user_attr(claimed.trial_id, "runs_point", digest)
         queue.storage.set_trial_user_attr(claimed.trial_id, "tuned_value", value)
     except Exception:  # the attempt fails or was taken back (the worker records which): TPE must not wait for this
-        study.tell(trial, state=TrialState.FAIL)  # setting's result
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)  # setting's result
         raise
     return digest, study, trial
+
+
+def _drawn_before(queue: TrialQueue, claimed: Claimed) -> tuple[float | None, int | None]:
+    """(the setting it ran, its TPE trial's number) of the attempt this claim retries, each None where there is
+    none (a first attempt; one stopped before it drew or wrote its config). A retry runs the setting its attempt
+    drew, as any retried trial reruns its config: the same run directory, so it resumes from the attempt's last
+    checkpoint (a fresh draw would restart from step 0 at another setting, and leave the TPE trial of an attempt
+    whose worker was killed running for good)."""
+    before = next((t for t in queue.by_key().get(claimed.spec.key, []) if t.number == claimed.retry_of), None)
+    if before is None:
+        return None, None
+    value = before.user_attrs.get("tuned_value")  # (the key names the tuning settings: the same search space)
+    return (None if value is None else float(value)), before.user_attrs.get("tune_trial")
 
 
 def finish_tuning_trial(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed,

@@ -177,8 +177,8 @@ class Attempt:
         _record_attempt(self.run_dir, self.claimed.spec, sweep, self.record)
 
     def tell_failed(self) -> None:
-        if self.tuning:
-            self.tuning[0].tell(self.tuning[1], state=optuna.trial.TrialState.FAIL)
+        if self.tuning:  # (already ended where this attempt's retry started: it ends the trial a lost worker left)
+            self.tuning[0].tell(self.tuning[1], state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
 
 
 def _start(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[str, Any]) -> Attempt:
