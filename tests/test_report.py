@@ -524,6 +524,11 @@ def test_pretrain_curves_plot_the_mlm_loss_not_mlm_plus_nsp(pretrain_sweep):
     finals = {ln.get_label().split(" ")[0]: ln.get_ydata()[-1] for ln in val_ax.get_lines()}
     assert set(finals) == {"baseline", "nsp=false"}
     assert abs(finals["baseline"] - finals["nsp=false"]) < 0.1  # not 0.67 apart by construction
+    # each model's own input format (segment pairs with NSP, full sentences without): marked, with the field
+    assert train_ax.get_title().startswith("training: train/mlm_loss †") and "val/mlm_loss †" in val_ax.get_title()
+    assert "† not comparable across these variants: the curves are defined by model.nsp (" in fig._suptitle.get_text()
+    alike = plot_curves(r, rows, labels[:1], variant_palette(r.variant_order, r.baseline_label), "t", task="pretrain")
+    assert "†" not in alike.axes[1].get_title() + alike._suptitle.get_text()
 
 
 def test_extrapolation_names_the_split_the_corpus_has(tmp_path):

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from study.record import COSTS as RECORD_COSTS
-from study.report.collect import SPLIT_WORDS, SweepResults, by_length_columns, metric_column
+from study.report.collect import SPLIT_WORDS, Declaration, SweepResults, by_length_columns, metric_column
 from study.report.family import paired_family
 from study.report.figure_layout import (
     BASELINE_COLOUR,
@@ -63,12 +63,29 @@ def cost_axis(cost: str, label: str) -> tuple[str, str]:
     return f"{label} ({unit})", "lower" if direction == "minimize" else "higher"
 
 
-def curve_label(results: SweepResults, task: str, column: str) -> str:
-    """A curve column's axis label: the declared scale of the validation metric it logs (`val/mlm_loss` is
-    `valid_mlm_loss`), or the bare column when no metric of that name is declared (translation's loss)."""
+def curve_metric(results: SweepResults, task: str, column: str, stage: str | None = None) -> Declaration | None:
+    """The declared validation metric a curve column logs (`val/mlm_loss` is `valid_mlm_loss`, of `stage` in a study
+    in stages); None where no metric of that name is declared."""
     stem = column.split("/", 1)[-1]
-    spec = results.declaration(f"valid_{stem}", task)
+    return results.declaration(f"{stage + '.' if stage else ''}valid_{stem}", task)
+
+
+def curve_label(results: SweepResults, task: str, column: str, stage: str | None = None) -> str:
+    """A curve column's axis label: the declared scale of the validation metric it logs, or the bare column when
+    no metric of that name is declared."""
+    spec = curve_metric(results, task, column, stage)
     return f"{column} ({spec.scale})" if spec is not None else column
+
+
+def _not_comparable_curve(results: SweepResults, task: str, column: str, stage: str | None,
+                          labels: list[str]) -> str:
+    """'' where the variants `labels` measure the validation curve `column` (and so its training twin, the same
+    quantity on the training batches) alike; else the fields that define it differently, with their values
+    (SweepResults.defined_differently: pretraining's MLM loss is each model's own input format, so with and without
+    NSP its curves are of different quantities)."""
+    spec = curve_metric(results, task, column, stage)
+    differ = results.defined_differently(spec.column, task, labels) if spec is not None else {}
+    return "; ".join(f"{f} ({', '.join(v)})" for f, v in differ.items())
 
 
 def variant_palette(labels: list[str], baseline: str | None = None) -> dict[str, tuple]:
@@ -310,7 +327,7 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
         if len(frame):  # a column none of these variants logged gets no panel
             panels.append((column, name, frame))
     fig, axes = _new(ncols=max(1, len(panels)), width=5.6)
-    series = set()
+    series, differ = set(), _not_comparable_curve(results, task, curves["valid"], stage, labels)
     for ax, (column, name, frame) in zip(axes, panels):
         for label in labels:
             sub = frame[frame["label"] == label]
@@ -318,17 +335,20 @@ def plot_curves(results: SweepResults, rows: pd.DataFrame, labels: list[str], pa
             if len(sub) and _draw_variant_curves(ax, sub, column, label, palette.get(label, BASELINE_COLOUR), marker):
                 series.add(label)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(curve_label(results, task, column))
-        ax.set_title(f"{name}: {column}" + (f" (rolling mean of {smooth} logs)" if column == curves["train"]
-                                            and smooth > 1 else ""), fontsize=10)
+        ax.set_ylabel(curve_label(results, task, column, stage))
+        ax.set_title(f"{name}: {column}" + (" †" if differ else "")
+                     + (f" (rolling mean of {smooth} logs)" if column == curves["train"] and smooth > 1 else ""),
+                     fontsize=10)
         ax.grid(alpha=0.3)
     handles, names = axes[-1].get_legend_handles_labels()  # validation: the curves every variant logs
     if handles:
         fig.legend(handles, names, fontsize=7, loc="outside right upper")  # beside the panels, never on data
     dashed = any(frame["diverged"].astype(bool).any() for _, _, frame in panels)
     fig.suptitle(f"{title}\nmean over completed seeds; band: min to max over them"
-                 + ("\ndashed: diverged trials (in no mean)" if dashed else ""), fontsize=10)
-    fig._study_columns = (curves["train"], curves["valid"])
+                 + ("\ndashed: diverged trials (in no mean)" if dashed else "")
+                 + (f"\n† not comparable across these variants: the curves are defined by {differ}" if differ
+                    else ""), fontsize=10)
+    fig._study_columns, fig._study_not_comparable = (curves["train"], curves["valid"]), differ
     return _finish(fig, [lbl for lbl in labels if lbl in series])
 
 
@@ -685,7 +705,9 @@ class _TaskFigures:
                 name = f"{self.prefix}{stage + '-' if stage else ''}curves-{axis}"
                 title = f"{where}training and validation curves, {axis}"
                 if fig._study_series:
-                    self.emit(fig, name, title, "curves", self.task, axis)
+                    self.emit(fig, name, title + (f" († not comparable across them: the curves are defined by "
+                                                  f"{fig._study_not_comparable})" if fig._study_not_comparable else ""),
+                              "curves", self.task, axis)
                 else:
                     self.skip(name, title, "curves", self.task, axis, NO_CURVES)
 

@@ -149,7 +149,8 @@ class Pretraining(TaskFamily):
                    description="sentence pairs evaluated (bookkeeping)", split="valid"),
     )
     default_objective = "valid_mlm_loss"
-    # MLM loss is comparable across NSP on/off; the total loss (MLM + NSP) is not
+    # the MLM loss, not the total (MLM + NSP), which adds a loss only NSP models have; still each model's own input
+    # format (valid_mlm_loss's defined_by names model.nsp), so the report marks these curves † across NSP on/off
     curves = {"train": "train/mlm_loss", "valid": "val/mlm_loss"}
     reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "mlm_probability",
                                    "nsp_weight"})
