@@ -142,6 +142,17 @@ def test_two_unknown_bleu_variants_are_not_the_same_variant():
                            "recorded); published: sacreBLEU (signature not given))")
 
 
+def test_a_bleu_variant_one_side_does_not_record_is_unknown_not_different():
+    """A run that recorded no signature may have scored as the publication did: not known to be the same, nor
+    different; a known scorer that differs is different."""
+    _, text = comparability(_ours("sacrebleu:unspecified", 60e6), _published("sacrebleu:13a:cased", 60))
+    assert text.startswith("NOT directly comparable: unknown metric variant")
+    _, text = comparability(_ours("sacrebleu:unspecified", 60e6), _published("tokenized-bleu:moses", 60))
+    assert text.startswith("NOT directly comparable: different metric variant")
+    _, text = comparability(_ours("sacrebleu:13a:lowercased", 60e6), _published("sacrebleu:13a:cased", 60))
+    assert text.startswith("NOT directly comparable: different metric variant")
+
+
 def test_a_size_not_known_is_never_called_the_same_size():
     comparable, text = comparability(_ours("sacrebleu:13a:cased", math.nan), _published("sacrebleu:13a:cased", math.nan))
     assert comparable  # the size rule applies where both sizes are known, and the sentence says it is not

@@ -115,6 +115,17 @@ def _same_metric_variant(m: Measurement, pub: pd.Series) -> bool:
     return keys[0] == keys[1] and not any("unspecified" in k.split(":") for k in keys)
 
 
+def _variant_difference(ours: str, theirs: str) -> str:
+    """'unknown' where the two metric variants may be the same but one side does not say (`sacrebleu:unspecified`
+    beside `sacrebleu:13a:cased`, or both unspecified); 'different' where what is known differs (another scorer)."""
+    a, b = ours.split(":"), theirs.split(":")
+    if "unspecified" in a or "unspecified" in b:
+        known = min(a.index("unspecified") if "unspecified" in a else len(a),
+                    b.index("unspecified") if "unspecified" in b else len(b))
+        return "unknown" if a[:known] == b[:known] else "different"
+    return "different"
+
+
 # Which model a number is of (published.csv's `selection`; empty: not stated). Every record of ours is the model at
 # the end of training: study.run.single computes the final metrics after fit (the EMA weights where train.ema_decay
 # is set), never at a checkpoint picked by a validation score. A best-over-training value picked on the split it
@@ -179,7 +190,7 @@ def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
         parts.append(f"different model variant (ours: {model_variant_words(m.model_variant)}; published: "
                      f"{model_variant_words(str(pub['model_variant']))})")
     if not same_variant:
-        what = "different" if m.variant_key != pub["variant_key"] else "unknown"
+        what = _variant_difference(str(m.variant_key), str(pub["variant_key"]))
         parts.append(f"{what} metric variant (ours: {m.variant_words}; published: {pub['metric_variant']})")
     if not same_split:
         parts.append(f"different split (ours: {m.split}; published: {pub['split']})")
