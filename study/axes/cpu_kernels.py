@@ -8,7 +8,7 @@ slower than its erf form, and its cross-entropy makes several passes over each c
 ships them for CPU tensors (Apex's, FlashAttention's and Liger's, whose fused linear cross-entropy is the model for
 study/model/loss.py, are CUDA/Triton).
 `torch.utils.cpp_extension.load` compiles every `kernels/*.cpp` into one library, once per machine, into torch's
-extension cache (a file lock guards concurrent builds): ninja compiles the files in parallel, where one extension per
+extension cache (an flock guards concurrent builds; see `_building`): ninja compiles the files in parallel, where one extension per
 kernel was built one after another as each was first used (15-30 s each on two cores, mostly parsing torch's
 headers). Each file registers its own `torch.ops.study_<name>`; OpenMP threads are sized to `torch.get_num_threads()`
 at each call, as TorchInductor's CPU kernels do.
@@ -20,14 +20,21 @@ tests/test_loss_kernel.py and tests/test_decode_kernels.py hold both paths to th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no flock; torch's own lock alone guards a build there)
+    fcntl = None
 
 import torch
 
@@ -59,10 +66,32 @@ def _build() -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp", "-std=c++17", f"-DSTUDY_HEADERS={_headers_digest()}", *_VALUE_SAFE_FLAGS]
     flags += _ISA_FLAGS.get(capability, [])
-    cpp_extension.load(
-        name=f"study_kernels_{capability.lower()}", sources=[str(p) for p in sorted(KERNELS.glob("*.cpp"))],
-        extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-    )
+    name = f"study_kernels_{capability.lower()}"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # (where load() builds by default)
+    with _building(build_dir):
+        cpp_extension.load(
+            name=name, sources=[str(p) for p in sorted(KERNELS.glob("*.cpp"))], extra_cflags=flags,
+            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False, build_directory=str(build_dir),
+        )
+
+
+@contextlib.contextmanager
+def _building(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory for this process (an flock, which the kernel releases however the process ends) and
+    remove a `lock` file torch's own build lock left there. That lock is a file whose existence is the lock: a build
+    killed while it held it (Ctrl-C during a first run, a sweep trial killed as it compiled) leaves it behind, and
+    every later load would wait on it forever without a word. Under the flock no other process of study is
+    building, so such a file is stale."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "study-build.flock", "w") as held:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            warnings.warn(f"study: removing {stale}, left by a build of the C++ CPU kernels that was killed",
+                          stacklevel=4)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _headers_digest() -> str:
