@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,40 @@ def test_a_forced_pipeline_rerun_replaces_its_record(data, tmp_path):
     first = (tmp_path / "p" / "metrics.json").stat().st_mtime_ns
     record = run_experiment(cfg, tmp_path / "p", data_dir=data, cache_dir=tmp_path / "c", force=True)
     assert record["status"] == "completed" and (tmp_path / "p" / "metrics.json").stat().st_mtime_ns > first
+
+
+def test_a_suite_whose_pretrained_model_is_replaced_between_its_parts_writes_no_result(data, pretrained, tmp_path,
+                                                                                       monkeypatch):
+    """Another pipeline forcing the shared pretraining stage anew while this suite runs: its earlier parts were
+    fine-tuned from the old model, its later ones from the new. Combined, that is no model's result: the suite
+    says so and writes no record; run again, it fine-tunes the stale parts from the model there now."""
+    import shutil
+
+    import torch
+
+    import study.run.suite as suite_module
+    from study.config import ExperimentConfig
+    from study.record import started_from_digests
+
+    pre = tmp_path / "pre"
+    shutil.copytree(pretrained, pre)
+    glue = ExperimentConfig.from_dict(glue_stage(init_from=str(pre), finetune_seeds=[0, 1]))
+    real, parts = suite_module.run_single, []
+
+    def then_pretrained_anew(cfg, run_dir, **kwargs):
+        record = real(cfg, run_dir, **kwargs)
+        parts.append(run_dir)
+        if len(parts) == 1:  # between the suite's two parts
+            state = torch.load(pre / "model.pt", map_location="cpu")
+            torch.save({k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}, pre / "model.pt")
+        return record
+
+    monkeypatch.setattr(suite_module, "run_single", then_pretrained_anew)
+    with pytest.raises(suite_module.StartReplaced, match="was replaced while this suite ran"):
+        run_experiment(glue, tmp_path / "suite", data_dir=data, cache_dir=tmp_path / "c")
+    assert not (tmp_path / "suite" / "metrics.json").exists()
+    second = (tmp_path / "suite" / "SST-2" / "seed1" / "metrics.json").read_text()
+    record = run_experiment(glue, tmp_path / "suite", data_dir=data, cache_dir=tmp_path / "c")
+    assert record["status"] == "completed"  # the first part fine-tuned again; the second, of this model, handed back
+    assert (tmp_path / "suite" / "SST-2" / "seed1" / "metrics.json").read_text() == second
+    assert len(started_from_digests(json.loads((tmp_path / "suite" / "data.json").read_text()))) == 1

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 TIME_COSTS = tuple(k for k, (_, unit, _) in COSTS.items() if unit == "seconds" and k != "wall_seconds")
 
 
+class StartReplaced(RuntimeError):
+    """The model a suite's parts start from (task.init_from) was replaced while the suite ran."""
+
+
 def summed_times(costs: list[dict[str, Any]]) -> dict[str, float]:
     """{time cost: its sum over `costs`} for each of TIME_COSTS that one of them holds."""
     return {k: sum(float(c.get(k) or 0) for c in costs) for k in TIME_COSTS if any(k in c for c in costs)}
@@ -69,10 +73,15 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
         results[part.path] = run_single(part.config, run.sub(part.path).path, data_dir=data_dir,
                                         cache_dir=cache_dir, force=force, declared=task.declared(part=True))
     if writes:
-        task.save_suite_outputs(cfg, run.path, results)
         atomic_write_json(run.data, {"parts": {p: read_json_or_none(run.sub(p).data) for p, r in results.items()
                                                if "skipped" not in r},
                                      "skipped": {p: r["skipped"] for p, r in results.items() if "skipped" in r}})
+        if (changed := replaced_start(run, cfg.task.init_from)) is not None:
+            raise StartReplaced(f"{changed}: task.init_from was replaced while this suite ran (another run forced "
+                                "it anew), so its parts were fine-tuned from different models and combine into no "
+                                "result; run it again: each part fine-tuned from another model than the one there "
+                                "now runs again")
+        task.save_suite_outputs(cfg, run.path, results)
     record = _combined_record(cfg, task, results, time.time() - started)
     if writes:
         run.write(record)
