@@ -294,6 +294,9 @@ def test_per_task_settings_are_checked_when_the_config_is_built():
         ({"squad": {"train.lr": 1e-4}}, r"per_task: unknown GLUE task\(s\) \['squad'\]"),
         ({"cola": {"train.seed": 3}}, r"per_task.cola: 'train.seed' cannot be set per task.*finetune_seeds"),
         ({"cola": {"task.dataset": "sst2"}}, r"per_task.cola: 'task.dataset' cannot be set per task"),
+        # resolved once for the suite (precision: auto): per task, 'auto' would reach Lightning after earlier parts ran
+        ({"sst2": {"train.precision": "auto"}}, r"per_task.sst2: 'train.precision' cannot be set per task.*hardware"),
+        ({"sst2": {"train.devices": 2}}, r"per_task.sst2: 'train.devices' cannot be set per task"),
         ({"cola": {"model.d_model": 64}}, r"per_task.cola: 'model.d_model' cannot be set per task.*model.\{dropout"),
         ({"cola": {"model.dropout": 1.5}}, r"task.per_task.cola: model.dropout: must be in \[0, 1\)"),
         ({"cola": {"train.lr": "fast"}}, r"task.per_task.cola: train.lr: 'fast' is not a valid float"),

@@ -27,6 +27,9 @@ MULTI30K_NOT_IN = {"cs": ("test_2017_flickr", "test_2017_mscoco")}
 POOLINGS = ("cls", "mean")
 # the task fields one GLUE task of a suite may set for itself (task.per_task); the rest are the suite's
 PER_TASK_FIELDS = ("epochs", "pooling", "seq_len")
+# the training fields that are the suite's alone: where and at what precision it runs (resolved once for the machine,
+# as `precision: auto` is, before any part starts)
+SUITE_TRAIN_FIELDS = ("precision", "accelerator", "devices", "strategy")
 # and the model fields: fine-tuning's regularisation, the ones a pretrained encoder (task.init_from) does not decide
 PER_TASK_MODEL_FIELDS = ("dropout", "attention_dropout")
 
@@ -98,11 +101,13 @@ class TaskConfig(Config):
         for task, settings in self.per_task.items():
             for key in settings:
                 section, _, name = str(key).partition(".")
-                ok = ((section == "train" and name not in ("", "seed")) or (section == "task" and name in PER_TASK_FIELDS)
+                ok = ((section == "train" and name not in ("", "seed", *SUITE_TRAIN_FIELDS))
+                      or (section == "task" and name in PER_TASK_FIELDS)
                       or (section == "model" and name in PER_TASK_MODEL_FIELDS))
                 p.check(ok, f"per_task.{task}", f"{key!r} cannot be set per task; valid: train.FIELD (not train.seed: "
-                        f"task.finetune_seeds gives the seeds), task.{{{','.join(PER_TASK_FIELDS)}}} or "
-                        f"model.{{{','.join(PER_TASK_MODEL_FIELDS)}}}")
+                        "task.finetune_seeds gives the seeds; nor the hardware, one for the suite: "
+                        f"{', '.join(f'train.{n}' for n in SUITE_TRAIN_FIELDS)}), "
+                        f"task.{{{','.join(PER_TASK_FIELDS)}}} or model.{{{','.join(PER_TASK_MODEL_FIELDS)}}}")
 
     @property
     def arch(self) -> str:
