@@ -163,6 +163,29 @@ def test_a_point_that_spells_out_what_another_leaves_unset_is_the_same_run_and_t
     assert baseline.config.model.n_kv_heads is None
 
 
+@pytest.mark.parametrize("base, axes, metric", [
+    ("mt", {"task.test_sets": [["test_2016_flickr"], ["test_2017_mscoco"]]}, "bleu"),  # another test set
+    ("mt", {"direction": {"de-en": {"task.src_lang": "de", "task.tgt_lang": "en"},
+                          "en-de": {"task.src_lang": "en", "task.tgt_lang": "de"}}}, "bleu"),  # other references
+    ("mt", {"direction": {"de-en": {"task.src_lang": "de", "task.tgt_lang": "en"},
+                          "en-de": {"task.src_lang": "en", "task.tgt_lang": "de"}}}, "valid_loss"),
+    ("mt", {"task.seq_len": [128, 32]}, "valid_loss"),  # validation pairs cut shorter: other tokens scored
+    ("lm", {"task.eval_tokens": [4096, None]}, "valid_loss"),  # part of the split against all of it
+    ("lm", {"task.dataset": ["tinyshakespeare", "wikitext-2"]}, "valid_loss"),  # another corpus
+])
+def test_an_objective_measured_on_other_text_cannot_rank_the_points(tmp_path, base, axes, metric):
+    """BLEU on another test set or into another language, a loss over part of a split or over another corpus: one
+    name, another quantity at each point."""
+    from test_sweep_refusals import EXPERIMENTS
+
+    spec = LM if base == "lm" else {"base": str(EXPERIMENTS / "multi30k_de_en.yaml"),
+                                     "set": {"train.precision": "32-true"}}
+    if "task.dataset" in axes:
+        spec = {**spec, "set": {"task.tokenizer": "bpe", "task.vocab_size": 2000}}
+    assert f"objective: {metric} measures something else where" in refused(
+        tmp_path, **spec, axes=axes, objective={"metric": metric})
+
+
 def test_an_objective_whose_meaning_an_axis_changes_cannot_rank_the_points(tmp_path):
     """A loss per token is per token of the tokenizer: lowercased text, or another vocabulary, is another metric under
     the same name. BLEU does not depend on the vocabulary; it does on the casing."""

@@ -106,3 +106,30 @@ def test_a_refused_spec_writes_nothing(tmp_path):
     with pytest.raises(SweepSpecError, match="nothing was run"):
         run_sweep(path, SweepOptions(results=tmp_path / "results", estimate_rate=1e11), say=lambda s: None)
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("axis, values, runs", [
+    ("train.max_steps", [3, 100], "runs CoLA: 5, SST-2: 5"),  # 3 passes over 48 examples at 32 a step: 5 steps
+    ("train.warmup_steps", [0, 2], "runs CoLA: 0, SST-2: 0"),  # at most a tenth of 5 steps
+])
+def test_a_suite_field_its_data_caps_per_task_is_refused_as_an_axis_where_a_value_misses_a_task(
+        tmp_path, axis, values, runs):
+    """GLUE caps each task's steps at task.epochs passes over its training set and its warm-up at a tenth of them:
+    an axis value some task never runs would label all of them with it. The sizes come from the data, which
+    `study sweep` reads before anything runs."""
+    from test_glue_task import write_glue
+
+    from study.sweep.runner import prepare
+
+    data = write_glue(tmp_path / "data")
+    spec = {"name": "t", "seeds": [0], **GLUE,
+            "set": {**GLUE["set"], "task.per_task": {}, "task.glue_tasks": ["CoLA", "SST-2"]}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({**spec, "axes": {axis: values}}, sort_keys=False))
+    options = SweepOptions(results=tmp_path / "results", data_dir=str(data), dry_run=True)
+    with pytest.raises(SweepSpecError) as err:
+        prepare(path, options, say=lambda _: None)
+    assert f"{axis} does not reach every part of the suite (asked {values[1]}; {runs})" in str(err.value)
+    assert "task.epochs passes over its training set" in str(err.value)
+    path.write_text(yaml.safe_dump({**spec, "axes": {"train.lr": [1e-3, 3e-4]}}, sort_keys=False))
+    prepare(path, options, say=lambda _: None)  # a field no task caps

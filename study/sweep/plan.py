@@ -441,12 +441,14 @@ def _defined_differently(plan: Plan, metric: str) -> str | None:
     BLEU's casing) differ between them. None when they agree at every point."""
     from study.sweep import reach
 
-    by_value: dict[str, list[str]] = {}
-    for p in plan.points:
-        definition = reach.objective_definition(plan.spec, p.config, metric)
-        by_value.setdefault(", ".join(f"{k}={v!r}" for k, v in definition.items()), []).append(p.label)
-    if len(by_value) < 2:
+    definitions = {p.label: reach.objective_definition(plan.spec, p.config, metric) for p in plan.points}
+    fields = {k for d in definitions.values() for k in d}
+    differ = [k for k in sorted(fields) if len({repr(d.get(k)) for d in definitions.values()}) > 1]
+    if not differ:
         return None
+    by_value: dict[str, list[str]] = {}
+    for label, definition in definitions.items():  # (the fields that differ; those alike would only hide them)
+        by_value.setdefault(", ".join(f"{k}={definition.get(k)!r}" for k in differ), []).append(label)
     return (f"objective: {metric} measures something else where " + "; ".join(
         f"{value} (at {', '.join(labels)})" for value, labels in by_value.items()) + ": one name, different metrics "
         "(a loss per token of another tokenizer, BLEU of another casing), which cannot rank the points; keep those "
@@ -478,6 +480,25 @@ def _objective(plan: Plan) -> None:
             plan.refused.append(stage_problem)
     for p in plan.points:
         plan.tasks.update(reach.contracts(p.config))
+
+
+def check_parts(plan: Plan, data_dir: str | Path | None) -> None:
+    """Raise SweepSpecError where an axis value of a suite's training field is not what every part runs (GLUE caps
+    each task's steps and warm-up by its data; `reach.part_problems`). Separate from `check`, as it reads the data:
+    `study sweep` calls it with the workers' data folder before anything runs."""
+    from study.sweep import reach
+
+    by_name = {a.name: a for a in plan.axes}
+    refused: list[str] = []
+    for point in plan.points:
+        by_axis = {f"axes.{name}": by_name[name].values[value] for name, value in point.axes.items()
+                   if value != NOT_APPLICABLE}
+        for problem in reach.part_problems(plan.spec, point.config, by_axis, data_dir):
+            if problem not in refused:
+                refused.append(problem)
+    if refused:
+        raise SweepSpecError(f"sweep {plan.spec.name!r}: nothing was run\nrefused (a swept value must reach the "
+                             "trained model):\n" + "\n".join(f"  - {p}" for p in refused))
 
 
 def check(plan: Plan) -> None:

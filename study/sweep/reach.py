@@ -11,6 +11,7 @@ and after resolution. A fourth is the model's own: a field only other position s
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from study.config import ExperimentConfig, PipelineConfig
@@ -60,6 +61,37 @@ def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, pat
     if asked != runs:
         return f"{path} is replaced when the config is resolved (asked {asked!r}, runs {runs!r})"
     return None
+
+
+def part_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, assignments: dict[str, dict[str, Any]],
+                  data_dir: str | Path | None) -> list[str]:
+    """Problems of one point of a suite (a task family that runs parts, GLUE: one per task and seed): the family may
+    set a training field per part from its data (GLUE's steps capped at task.epochs passes over each task's training
+    set, its warm-up at a tenth of them), so an axis value of a `train.*` field (the seed aside) must be the value
+    every part runs, or its label would not say what ran. Reads the data (the training sets' sizes); where none of
+    a suite's tasks can be read, the run will refuse it for the data, and nothing is said here."""
+    from study.tasks.data import DatasetUnavailable
+
+    problems = []
+    for where, fields in assignments.items():
+        for path in fields:
+            stage, field = route(path, spec.stage_names)
+            if not field.startswith("train.") or field == "train.seed":
+                continue
+            try:
+                exp = resolved_stage(cfg, stage)
+                parts = family(exp.task.name).sub_runs(exp, data_dir) or []
+            except (ValueError, DatasetUnavailable):  # (refused by value_problem, or no data to run it on)
+                continue
+            asked = field_value(exp, field)
+            missed = {p.path.split("/")[0]: ran for p in parts
+                      if p.config is not None and (ran := field_value(p.config, field)) != asked}
+            if missed:
+                problems.append(f"{where}: {path} does not reach every part of the suite (asked {asked!r}; runs "
+                                + ", ".join(f"{task}: {ran!r}" for task, ran in missed.items()) + f"): "
+                                f"{family(exp.task.name).part_settings} Choose values every part runs, or leave "
+                                "out the tasks that cap them (task.glue_tasks)")
+    return problems
 
 
 def reach_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig,

@@ -58,6 +58,7 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     spec, root = planning.load_spec(spec_path, overrides)
     plan = planning.expand(spec, root)
     planning.check(plan)
+    planning.check_parts(plan, opts.data_dir)
     workers = opts.workers or spec.workers
     threads = opts.threads or default_threads(workers)
     say(planning.describe(plan, estimate(plan, opts.estimate_rate, workers, threads)))

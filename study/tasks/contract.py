@@ -122,6 +122,8 @@ class TaskFamily(abc.ABC):
     # part's own record holds
     suite: ClassVar[bool] = False
     part_metrics: ClassVar[tuple[MetricSpec, ...]] = ()
+    # a suite that sets training fields per part from its data (`sub_runs`): which, and how (a sentence)
+    part_settings: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

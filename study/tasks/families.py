@@ -13,8 +13,13 @@ from study.config import ExperimentConfig
 from study.tasks.contract import SPLIT_FROM_NAME, MetricSpec, TaskFamily
 
 _UNIFORM = "ln(vocabulary size) nats for a uniform prediction; the unigram entropy for the best constant one"
-# what one token of a per-token metric is: the tokenizer, its vocabulary and the text it reads decide it
-TOKENS = ("task.tokenizer", "task.vocab_size", "task.lowercase")
+# what one token of a per-token metric is: the tokenizer, its vocabulary and the text it reads decide it (and the corpus
+# both are of: a loss on another corpus is another quantity)
+TOKENS = ("task.dataset", "task.tokenizer", "task.vocab_size", "task.lowercase")
+# a language model's evaluation: the tokens above, over the split's first task.eval_tokens tokens where that is set
+EVALUATED_TOKENS = (*TOKENS, "task.eval_tokens")
+# a translation metric: which language is translated into which (BLEU on German references is another metric)
+LANGUAGES = ("task.src_lang", "task.tgt_lang")
 # lowercased BLEU and chrF score an easier task than cased ones (sacreBLEU's signature: case:lc)
 CASING = ("task.lowercase",)
 # a masked-token loss also depends on how many tokens are masked (a larger share leaves less context to predict from)
@@ -26,23 +31,24 @@ class LanguageModelling(TaskFamily):
 
     name = "lm"
     metrics = (
-        MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, description="validation cross-entropy",
-                   split="valid", defined_by=TOKENS),
+        MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, description="validation cross-entropy (over "
+                   "the split's first task.eval_tokens tokens where that is set)", split="valid",
+                   defined_by=EVALUATED_TOKENS),
         MetricSpec("valid_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
-                   split="valid", defined_by=TOKENS),
+                   split="valid", defined_by=EVALUATED_TOKENS),
         MetricSpec("test_loss", "minimize", "nats/token", _UNIFORM, description="written when the corpus has a test "
-                   "split (WikiText-2; not Tiny Shakespeare)", split="test", defined_by=TOKENS),
+                   "split (WikiText-2; not Tiny Shakespeare)", split="test", defined_by=EVALUATED_TOKENS),
         MetricSpec("test_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction", split="test",
-                   defined_by=TOKENS),
+                   defined_by=EVALUATED_TOKENS),
         # measured on the corpus's last split, which the key names: test on WikiText-2, valid on Tiny Shakespeare
         MetricSpec("*_ppl_by_length.*", "minimize", "perplexity",
                    "the vocabulary size for a uniform prediction", objective=False,
                    description="perplexity at each evaluation length (key: tokens) on the last split; 'n/a' where "
                                "a position table cannot reach or the split holds no window of that length",
-                   split=SPLIT_FROM_NAME, defined_by=TOKENS),
+                   split=SPLIT_FROM_NAME, defined_by=EVALUATED_TOKENS),
         MetricSpec("*_ppl_at_2x", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
                    description="perplexity at twice the training length (Press et al. 2022's extrapolation test)",
-                   split=SPLIT_FROM_NAME, defined_by=TOKENS),
+                   split=SPLIT_FROM_NAME, defined_by=EVALUATED_TOKENS),
     )
     default_objective = "valid_loss"
     reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "eval_lengths", "eval_tokens"})
@@ -75,18 +81,21 @@ class Translation(TaskFamily):
     name = "translation"
     metrics = (
         MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, split="valid",
-                   description="mean token cross-entropy of the final model on the whole validation split (no label "
-                               "smoothing): the objective a tuning may choose by, as BLEU is measured on test sets",
-                   defined_by=(*TOKENS, "task.joint_vocab")),
+                   description="mean token cross-entropy of the final model on the validation split, its pairs cut to "
+                               "task.seq_len as in training (truncated_pairs counts them; no label smoothing): the "
+                               "objective a tuning may choose by, as BLEU is measured on test sets",
+                   defined_by=(*TOKENS, "task.joint_vocab", *LANGUAGES, "task.seq_len")),
         MetricSpec("bleu", "maximize", "BLEU (0-100)", "about 0 (a constant sentence shares few n-grams)",
                    description="sacreBLEU on the first of task.test_sets, detokenized (13a); cased unless "
                                "task.lowercase (the record's signature says which)", split="test",
-                   defined_by=CASING),
+                   defined_by=(*CASING, *LANGUAGES, "task.test_sets")),
         MetricSpec("chrf", "maximize", "chrF (0-100)", "a few points (character n-grams of a constant sentence)",
                    description="sacreBLEU's chrF on the first of task.test_sets; cased unless task.lowercase",
-                   split="test", defined_by=CASING),
-        MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0", split="test", defined_by=CASING),
-        MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points", split="test", defined_by=CASING),
+                   split="test", defined_by=(*CASING, *LANGUAGES, "task.test_sets")),
+        MetricSpec("test_sets.*.bleu", "maximize", "BLEU (0-100)", "about 0", split="test",
+                   defined_by=(*CASING, *LANGUAGES)),
+        MetricSpec("test_sets.*.chrf", "maximize", "chrF (0-100)", "a few points", split="test",
+                   defined_by=(*CASING, *LANGUAGES)),
         MetricSpec("test_sets.*.decode_seconds", "minimize", "seconds", "-", objective=False, cost=True,
                    description="wall time of decoding the test set (beam search of task.beam_size; greedy at 1), "
                                "its tokenization and detokenization included (a measured cost)", split="test"),

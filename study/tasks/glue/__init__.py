@@ -73,6 +73,8 @@ class Glue(TaskFamily):
     reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "glue_tasks", "init_from",
                                    "pretrained_weights", "finetune_seeds", "epochs", "pooling", "per_task"})
     unread_train_fields = frozenset({"label_smoothing"})
+    part_settings = ("each task's train.max_steps is capped at task.epochs passes over its training set, and its "
+                     "train.warmup_steps at a tenth of its steps (sub_runs).")
     # the metrics of one part (task, seed) of the suite
     part_metrics = (
         MetricSpec("score", "maximize", "0-100", _METRIC_CONSTANTS, split="valid"),
