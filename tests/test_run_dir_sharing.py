@@ -97,6 +97,16 @@ def test_an_interrupted_fine_tuning_run_resumes_when_its_pretrained_run_is_named
     assert not resumed("/data/pretrained/bert-a", "/data/pretrained/bert-b", "plain")
 
 
+def test_a_run_directory_reached_under_another_name_is_the_same_run(tmp_path):
+    """A sweep names its point `point-<hash>`, a pipeline its stage after the stage's base config: one
+    content-addressed directory, reached under two names, holds one run (its name is a label, not what runs)."""
+    stage = ExperimentConfig.from_dict({**PRETRAIN, "name": "wikitext2-bert-nsp"})
+    record = _finished(tmp_path / "run", stage.replace(name="point-79d790515995"))
+    assert finished_run(RunDir(tmp_path / "run"), stage, force=False) == record
+    with pytest.raises(RunDirConflict, match="train.lr"):  # what runs still decides
+        finished_run(RunDir(tmp_path / "run"), stage.replace(train=stage.train.replace(lr=0.5)), force=False)
+
+
 # ---- two sweeps' trials of one point: one runs the directory at a time
 
 

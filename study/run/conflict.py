@@ -40,7 +40,8 @@ def finished_run(run: RunDir, cfg: Config, force: bool, data_decided: tuple[str,
         wanted = cfg  # as the directory would record it: the fields the data decides are not known yet
         if data_decided:
             wanted = cfg.replace(model=cfg.model.replace(**{k: getattr(stored.model, k) for k in data_decided}))
-        wanted = _with_stored_init_from(stored, wanted)
+        wanted = _with_stored_init_from(stored, wanted).replace(name=stored.name)  # a label, not what runs: a
+        # content-addressed directory is reached under several names (a sweep's point-<hash>, a pipeline's stage)
         if stored != wanted:
             raise RunDirConflict.between(run.path, stored, wanted)
     return run.finished()
