@@ -406,6 +406,25 @@ def test_submission_format():
     assert format_prediction(glue_task_info("stsb"), 2.34567) == "2.346"
 
 
+def test_the_submission_folder_holds_this_runs_predictions_only(tmp_path):
+    """A forced rerun whose SST-2 seeds all diverged has no best seed there: the earlier run's SST-2.tsv must not stay
+    beside the new record as if it were this model's."""
+    from study.tasks import family
+
+    (tmp_path / "submission").mkdir()
+    (tmp_path / "submission" / "SST-2.tsv").write_text("index\tprediction\n0\t1\n")  # the earlier run's
+    for seed in (0, 1):
+        (tmp_path / "CoLA" / f"seed{seed}" / "predictions").mkdir(parents=True)
+        (tmp_path / "CoLA" / f"seed{seed}" / "predictions" / "CoLA.tsv").write_text(f"index\tprediction\n0\t{seed}\n")
+    part = {"status": "completed", "steps": 2}
+    results = {"CoLA/seed0": {**part, "metrics": {"score": 10.0, "mcc": 10.0}},
+               "CoLA/seed1": {**part, "metrics": {"score": 20.0, "mcc": 20.0}},
+               "SST-2/seed0": {**part, "status": "diverged", "metrics": {}}}
+    family("glue").save_suite_outputs(glue_cfg(), tmp_path, results)
+    assert [f.name for f in (tmp_path / "submission").iterdir()] == ["CoLA.tsv"]
+    assert (tmp_path / "submission" / "CoLA.tsv").read_text().endswith("0\t1\n")  # the best seed's
+
+
 # --- pretrain -> fine-tune ----------------------------------------------------------------------------------------
 
 

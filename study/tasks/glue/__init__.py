@@ -201,8 +201,11 @@ class Glue(TaskFamily):
         return {"parts": tasks, "unavailable": unavailable}
 
     def save_suite_outputs(self, cfg: ExperimentConfig, run_dir: Path, results: dict[str, dict[str, Any]]) -> None:
-        """submission/: each task's test predictions from its seed with the best dev score."""
+        """submission/: each task's test predictions from its seed with the best dev score, and nothing else (the
+        folder is emptied first: a task with no best seed this time, all its seeds diverged, would otherwise leave
+        an earlier run's predictions beside this run's record)."""
         tasks, _ = _by_task(results)
+        shutil.rmtree(Path(run_dir) / "submission", ignore_errors=True)
         for name, r in tasks.items():
             best = r.get("best_seed")
             src = Path(run_dir) / name / f"seed{best}" / "predictions"
