@@ -155,16 +155,20 @@ def started_from_digests(data: Any) -> set[str]:
 def stage_run_dirs(record: dict[str, Any] | None, run_dir: str | Path | None = None) -> dict[str, str]:
     """{stage: run directory} of a study in stages' record (its `stages` entry); {} for a single run. Given the
     pipeline's own `run_dir`, a recorded stage directory that is gone (the results folder moved or mounted elsewhere)
-    is looked for as the same `<hash>/seed-<k>` beside it, where a sweep keeps its stages (its runs folder)."""
+    is looked for where study.run.pipeline.stage_dir puts it relative to the pipeline: the last stage inside it
+    (`<run_dir>/<stage>`), an earlier one as the same `<hash>/seed-<k>` under its default stage root
+    (`<run_dir>/stages`) or beside it, where a sweep keeps its stages (its runs folder)."""
     stages = (record or {}).get("stages") or {}
     found = {name: s["run_dir"] for name, s in stages.items() if isinstance(s, dict) and s.get("run_dir")}
     if run_dir is None:
         return found
-    runs = Path(run_dir).parent.parent
+    here = Path(run_dir)
     for name, recorded in found.items():
-        moved = runs / Path(recorded).parent.name / Path(recorded).name
-        if not Path(recorded).is_dir() and moved.is_dir():
-            found[name] = str(moved)
+        old = Path(recorded)
+        moved = ([here / name] if old.name == name else  # (the last stage's directory is named after it)
+                 [here / "stages" / old.parent.name / old.name, here.parent.parent / old.parent.name / old.name])
+        if not old.is_dir():
+            found[name] = str(next((m for m in moved if m.is_dir()), old))
     return found
 
 

@@ -245,3 +245,11 @@ def test_a_moved_results_folder_still_finds_a_pipelines_stages(tmp_path):
     assert stage_run_dirs(record, pipeline_dir) == {"pretrain": str(runs / "abcdef012345" / "seed-0"),
                                                     "glue": str(pipeline_dir)}
     assert stage_run_dirs(record)["pretrain"] == str(tmp_path / "old" / "runs" / "abcdef012345" / "seed-0")
+    # the last stage inside the pipeline's directory; a pipeline run alone keeps its earlier stages in its stages/
+    (pipeline_dir / "glue").mkdir()
+    (pipeline_dir / "stages" / "fedcba987654" / "seed-0").mkdir(parents=True)
+    old = tmp_path / "old" / "runs" / "0123456789ab" / "seed-0"
+    alone = {"stages": {"pretrain": {"run_dir": str(old / "stages" / "fedcba987654" / "seed-0")},
+                        "glue": {"run_dir": str(old / "glue")}}}
+    assert stage_run_dirs(alone, pipeline_dir) == {"pretrain": str(pipeline_dir / "stages" / "fedcba987654" / "seed-0"),
+                                                   "glue": str(pipeline_dir / "glue")}
