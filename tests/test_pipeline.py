@@ -109,6 +109,7 @@ def test_a_pipeline_seed_is_the_pretraining_seed(data, tmp_path):
     assert content_hash(cfg) == content_hash(pipeline())  # the seed is not part of the point
     m = run_experiment(cfg, tmp_path / "t", data_dir=data, cache_dir=tmp_path / "cache", stage_root=tmp_path / "r")
     assert m["stages"]["pretrain"]["seed"] == 7 and m["stages"]["pretrain"]["run_dir"].endswith("seed-7")
+    assert m["stages"]["glue"]["finetune_seeds"] == [0, 1] and "seed" not in m["stages"]["glue"]  # what it ran
     assert m["init"]["pretrain_seed"] == 7
 
 

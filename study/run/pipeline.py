@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from study.config import ConfigError, PipelineConfig, content_hash
+from study.config import ConfigError, ExperimentConfig, PipelineConfig, content_hash
 from study.config.pipeline import stage_ref
 from study.io import atomic_write_json, atomic_write_text, exclusive_lock
 from study.model.precision import resolve_precision
@@ -167,6 +167,16 @@ def refuse_missing_data(cfg: PipelineConfig, data_dir: str | Path | None) -> Non
         family(stage.task.name).sub_runs(stage, data_dir)
 
 
+def _seeds(stage: ExperimentConfig) -> dict[str, Any]:
+    """The seed a stage ran with, or the fine-tuning seeds of one whose task reads those instead (GLUE's
+    task.finetune_seeds: its train.seed reaches nothing)."""
+    from study.tasks import family
+
+    if family(stage.task.name).reads_train_seed(stage):
+        return {"seed": stage.train.seed}
+    return {"finetune_seeds": list(stage.task.finetune_seeds)}
+
+
 def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, Any]]], wall: float) -> dict:
     """The last stage's metrics, each earlier stage's under its name, and where every stage ran. Its cost: the time
     of every stage that ran (summed, as its steps and train tokens are), the last stage's model (parameters, FLOPs,
@@ -185,7 +195,7 @@ def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, A
     cost = {**{k: v for k, v in costs[names[-1]].items() if k not in TIME_COSTS and k != "wall_seconds"},
             **summed_times(list(costs.values())), "wall_seconds": wall, **costs}
     stages = {n: {"run_dir": str(d), "status": r["status"], "steps": r.get("steps"), "stopped_by": r.get("stopped_by"),
-                  "diverged_at_step": r.get("diverged_at_step"), "seed": cfg.stages[n].train.seed}
+                  "diverged_at_step": r.get("diverged_at_step"), **_seeds(cfg.stages[n])}
               for n, (d, r) in ran.items()}
     diverged = next((n for n, (_, r) in ran.items() if r["status"] != COMPLETED), None)
     return make_record(last["status"] if diverged is None else ran[diverged][1]["status"], metrics, cost,
