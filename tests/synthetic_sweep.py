@@ -28,15 +28,16 @@ def _decl(direction: str, scale: str, objective: bool = True, defined_by: tuple[
     return out | ({"defined_by": list(defined_by)} if defined_by else {})
 
 
-TOKENS = ("task.tokenizer", "task.vocab_size", "task.lowercase")
+TOKENS = ("task.dataset", "task.tokenizer", "task.vocab_size", "task.lowercase")
+EVALUATED = (*TOKENS, "task.eval_tokens")
 MASKED_TOKENS = (*TOKENS, "task.mlm_probability")
 DECLARED = {
-    "lm": {"valid_loss": _decl("minimize", "nats/token", defined_by=TOKENS),
-           "valid_ppl": _decl("minimize", "perplexity", defined_by=TOKENS),
-           "test_loss": _decl("minimize", "nats/token", defined_by=TOKENS),
-           "test_ppl": _decl("minimize", "perplexity", defined_by=TOKENS),
-           "*_ppl_by_length.*": _decl("minimize", "perplexity", False, defined_by=TOKENS),
-           "*_ppl_at_2x": _decl("minimize", "perplexity", defined_by=TOKENS)},
+    "lm": {"valid_loss": _decl("minimize", "nats/token", defined_by=EVALUATED),
+           "valid_ppl": _decl("minimize", "perplexity", defined_by=EVALUATED),
+           "test_loss": _decl("minimize", "nats/token", defined_by=EVALUATED),
+           "test_ppl": _decl("minimize", "perplexity", defined_by=EVALUATED),
+           "*_ppl_by_length.*": _decl("minimize", "perplexity", False, defined_by=EVALUATED),
+           "*_ppl_at_2x": _decl("minimize", "perplexity", defined_by=EVALUATED)},
     "pretrain": {"valid_mlm_loss": _decl("minimize", "nats/masked token", defined_by=(*MASKED_TOKENS, "model.nsp")),
                  "valid_mlm_ppl": _decl("minimize", "perplexity", defined_by=(*MASKED_TOKENS, "model.nsp")),
                  "valid_mlm_loss_full_sentences": _decl("minimize", "nats/masked token", defined_by=MASKED_TOKENS),
