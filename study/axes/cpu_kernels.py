@@ -8,9 +8,9 @@ slower than its erf form, and its cross-entropy makes several passes over each c
 ships them for CPU tensors (Apex's, FlashAttention's and Liger's, whose fused linear cross-entropy is the model for
 study/model/loss.py, are CUDA/Triton).
 `torch.utils.cpp_extension.load` compiles every `kernels/*.cpp` into one library, once per machine, into torch's
-extension cache (an flock guards concurrent builds; see `_building`): ninja compiles the files in parallel, where one extension per
-kernel was built one after another as each was first used (15-30 s each on two cores, mostly parsing torch's
-headers). Each file registers its own `torch.ops.study_<name>`; OpenMP threads are sized to `torch.get_num_threads()`
+extension cache (an flock guards concurrent builds; see `_building`): ninja compiles the files in parallel, where one
+extension per kernel was built one after another as each was first used (15-30 s each on two cores, mostly parsing
+torch's headers). Each file registers its own `torch.ops.study_<name>`; OpenMP threads are sized to `torch.get_num_threads()`
 at each call, as TorchInductor's CPU kernels do.
 
 Where no compiler or ninja is found, or STUDY_CPU_KERNELS=0, the callers keep their eager path after one warning: the
