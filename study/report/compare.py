@@ -117,13 +117,12 @@ def _same_metric_variant(m: Measurement, pub: pd.Series) -> bool:
 
 def _variant_difference(ours: str, theirs: str) -> str:
     """'unknown' where the two metric variants may be the same but one side does not say (`sacrebleu:unspecified`
-    beside `sacrebleu:13a:cased`, or both unspecified); 'different' where what is known differs (another scorer)."""
-    a, b = ours.split(":"), theirs.split(":")
-    if "unspecified" in a or "unspecified" in b:
-        known = min(a.index("unspecified") if "unspecified" in a else len(a),
-                    b.index("unspecified") if "unspecified" in b else len(b))
-        return "unknown" if a[:known] == b[:known] else "different"
-    return "different"
+    beside `sacrebleu:13a:cased`, or both unspecified); 'different' where what is known differs (another scorer).
+    (A variant key is `scorer:details`; published.csv's `bleu:unspecified`, BLEU by a scorer not named, compares as
+    a scorer of its own.)"""
+    if "unspecified" not in [*ours.split(":"), *theirs.split(":")]:
+        return "different"
+    return "unknown" if ours.split(":")[0] == theirs.split(":")[0] else "different"
 
 
 # Which model a number is of (published.csv's `selection`; empty: not stated). Every record of ours is the model at

@@ -489,16 +489,13 @@ def check_parts(plan: Plan, data_dir: str | Path | None) -> None:
     from study.sweep import reach
 
     by_name = {a.name: a for a in plan.axes}
-    refused: list[str] = []
     for point in plan.points:
         by_axis = {f"axes.{name}": by_name[name].values[value] for name, value in point.axes.items()
                    if value != NOT_APPLICABLE}
         for problem in reach.part_problems(plan.spec, point.config, by_axis, data_dir):
-            if problem not in refused:
-                refused.append(problem)
-    if refused:
-        raise SweepSpecError(f"sweep {plan.spec.name!r}: nothing was run\nrefused (a swept value must reach the "
-                             "trained model):\n" + "\n".join(f"  - {p}" for p in refused))
+            if problem not in plan.refused:
+                plan.refused.append(problem)
+    check(plan)
 
 
 def check(plan: Plan) -> None:

@@ -70,18 +70,16 @@ def part_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, ass
     set, its warm-up at a tenth of them), so an axis value of a `train.*` field (the seed aside) must be the value
     every part runs, or its label would not say what ran. Reads the data (the training sets' sizes); where none of
     a suite's tasks can be read, the run will refuse it for the data, and nothing is said here."""
-    from study.tasks.data import DatasetUnavailable
-
-    problems = []
+    problems, parts_of = [], {}
     for where, fields in assignments.items():
         for path in fields:
             stage, field = route(path, spec.stage_names)
             if not field.startswith("train.") or field == "train.seed":
                 continue
-            try:
-                exp = resolved_stage(cfg, stage)
-                parts = family(exp.task.name).sub_runs(exp, data_dir) or []
-            except (ValueError, DatasetUnavailable):  # (refused by value_problem, or no data to run it on)
+            if stage not in parts_of:  # (once per stage: the parts read the data)
+                parts_of[stage] = _suite_parts(cfg, stage, data_dir)
+            exp, parts = parts_of[stage]
+            if exp is None:
                 continue
             asked = field_value(exp, field)
             missed = {p.path.split("/")[0]: ran for p in parts
@@ -92,6 +90,18 @@ def part_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, ass
                                 f"{family(exp.task.name).part_settings} Choose values every part runs, or leave "
                                 "out the tasks that cap them (task.glue_tasks)")
     return problems
+
+
+def _suite_parts(cfg: ExperimentConfig | PipelineConfig, stage: str | None, data_dir: str | Path | None):
+    """(the resolved config of `stage`, its family's parts: [] for a single run), or (None, []) where the config does
+    not resolve (value_problem says why) or none of its data can be read (the run refuses it for that)."""
+    from study.tasks.data import DatasetUnavailable
+
+    try:
+        exp = resolved_stage(cfg, stage)
+        return exp, family(exp.task.name).sub_runs(exp, data_dir) or []
+    except (ValueError, DatasetUnavailable):
+        return None, []
 
 
 def reach_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig,
