@@ -242,3 +242,29 @@ def test_a_middle_stage_runs_where_what_it_starts_from_is_part_of_its_name():
     assert middle(pipeline(32)) == middle(pipeline(32))
     assert len({middle(pipeline(32)), middle(pipeline(64)), middle(pipeline(32, seed=1))}) == 3
     assert stage_dir(pipeline(32), "rte", Path("run"), Path("stages")) == Path("run/rte")
+
+
+@pytest.mark.parametrize("names, message", [
+    (("glue_score", "glue"), r"stages\.glue_score: an earlier stage's metrics .* \(glue: glue_score\)"),
+    (("cola_std", "glue"), r"stages\.cola_std: .* \(glue: \*_std\)"),
+    (("pretrain", "parameters"), r"stages\.parameters: a stage name may not be a cost column"),
+])
+def test_a_stage_named_like_a_number_of_the_pipeline_record_is_refused_before_anything_runs(tmp_path, names, message):
+    """The record keeps each earlier stage's metrics under its name beside the last stage's, and each stage's cost
+    under its name beside the cost columns: such a name would overwrite one of those numbers."""
+    from study.config import ConfigError
+
+    first, last = names
+    s = stages()
+    s["glue"]["task"]["init_from"] = f"stage:{first}"
+    cfg = PipelineConfig.from_dict({"name": "clash", "stages": {first: s["pretrain"], last: s["glue"]}})
+    with pytest.raises(ConfigError, match=message):
+        run_experiment(cfg, tmp_path / "trial", data_dir=tmp_path / "no-data")
+    assert not (tmp_path / "trial").exists()
+    spec = yaml.safe_load(write_staged_spec(tmp_path).read_text())
+    spec["stages"] = {first: spec["stages"]["pretrain"], last: {**spec["stages"]["glue"], "init_from": first}}
+    (tmp_path / "clash.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    with pytest.raises(SweepSpecError, match=message):
+        run_sweep(tmp_path / "clash.yaml", SweepOptions(results=tmp_path / "results", estimate_rate=1e11),
+                  say=lambda s: None)
+    assert not (tmp_path / "results").exists()

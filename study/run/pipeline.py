@@ -20,6 +20,7 @@ the old one, and a finished pipeline's record of it, are run again from the new 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import logging
 import time
@@ -148,6 +149,8 @@ def refuse_unrunnable_stages(cfg: PipelineConfig) -> None:
     stage that leaves no single model to start from) would fail after hours of pretraining rather than before it."""
     from study.tasks import resolved_stage
 
+    if problems := stage_name_problems(cfg):
+        raise ConfigError("PipelineConfig", problems)
     for name in cfg.stages:  # in order: a stage's problem is raised before those of the stages that start from it
         try:
             resolved_stage(cfg, name)
@@ -155,6 +158,26 @@ def refuse_unrunnable_stages(cfg: PipelineConfig) -> None:
             raise ConfigError("PipelineConfig", [f"stages.{name}.{p}" for p in err.problems]) from None
         except ValueError as err:
             raise ValueError(f"stages.{name}: {err}") from None
+
+
+def stage_name_problems(cfg: PipelineConfig) -> list[str]:
+    """The stage names the pipeline's record would lose a number under: its `cost` holds each stage's own cost under
+    the stage's name beside the run layer's cost columns, and its `metrics` each earlier stage's metrics beside the
+    last stage's, so a stage named `parameters`, or an earlier stage named like a last-stage metric (`glue_score`,
+    `test_sets`), would overwrite one of them."""
+    from study.record import COSTS
+    from study.tasks import family
+
+    last = list(cfg.stages)[-1]
+    heads = [m.name.split(".")[0] for m in family(cfg.stages[last].task.name).metrics]
+    problems = [f"stages.{name}: a stage name may not be a cost column of the record ({name}); rename the stage"
+                for name in cfg.stages if name in COSTS]
+    for name in list(cfg.stages)[:-1]:
+        clash = next((h for h in heads if fnmatch.fnmatchcase(name, h)), None)
+        if clash is not None:
+            problems.append(f"stages.{name}: an earlier stage's metrics are recorded under its name beside the last "
+                            f"stage's ({cfg.stages[last].task.name}: {clash}); rename the stage")
+    return problems
 
 
 def refuse_missing_data(cfg: PipelineConfig, data_dir: str | Path | None) -> None:

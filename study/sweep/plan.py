@@ -296,6 +296,7 @@ def _point_problems(cfg: ExperimentConfig | PipelineConfig) -> list[str]:
 def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
     """Every point of the spec with its validated config; invalid points and the axes that would not reach the
     trained model are collected (`check` raises them), not raised here."""
+    from study.run.pipeline import stage_name_problems
     from study.sweep import reach
 
     axes = spec.parsed_axes()
@@ -324,6 +325,8 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
         if problems := _point_problems(cfg):
             plan.invalid.append((label, problems))
             continue
+        if isinstance(cfg, PipelineConfig):  # the same stages at every point: said once
+            plan.refused += [p for p in stage_name_problems(cfg) if p not in plan.refused]
         if spec.tune:
             by_axis["tune"] = {spec.tune["field"]: None}
             for problem in _tune_range_problems(spec, bases, assignments):

@@ -131,8 +131,8 @@ def objective_stage(metric: str, stages: list[str]) -> str | None:
     the last stage's); None for a plain sweep."""
     if not stages:
         return None
-    head = metric.split(".", 1)[0]
-    return head if head in stages[:-1] else stages[-1]
+    head, dot, _ = metric.partition(".")
+    return head if dot and head in stages[:-1] else stages[-1]
 
 
 def stage_metric(metric: str, stages: list[str]) -> tuple[str | None, str]:
