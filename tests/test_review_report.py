@@ -153,6 +153,16 @@ def test_a_bleu_variant_one_side_does_not_record_is_unknown_not_different():
     assert text.startswith("NOT directly comparable: different metric variant")
 
 
+def test_bleu_by_a_scorer_the_paper_does_not_name_is_an_unknown_variant_beside_any_bleu_scorer():
+    """published.csv's `bleu:unspecified` (Xiong et al., Narang et al.: BLEU, scorer not named) may be sacreBLEU's
+    or tokenized BLEU: not known to differ from ours; beside a metric that is no BLEU it differs."""
+    for ours in ("sacrebleu:13a:cased", "sacrebleu:unspecified", "tokenized-bleu:moses"):
+        _, text = comparability(_ours(ours, 60e6), _published("bleu:unspecified", 60))
+        assert text.startswith("NOT directly comparable: unknown metric variant"), ours
+    _, text = comparability(_ours("chrf:unspecified", 60e6), _published("bleu:unspecified", 60))
+    assert text.startswith("NOT directly comparable: different metric variant")
+
+
 def test_a_size_not_known_is_never_called_the_same_size():
     comparable, text = comparability(_ours("sacrebleu:13a:cased", math.nan), _published("sacrebleu:13a:cased", math.nan))
     assert comparable  # the size rule applies where both sizes are known, and the sentence says it is not

@@ -117,12 +117,18 @@ def _same_metric_variant(m: Measurement, pub: pd.Series) -> bool:
 
 def _variant_difference(ours: str, theirs: str) -> str:
     """'unknown' where the two metric variants may be the same but one side does not say (`sacrebleu:unspecified`
-    beside `sacrebleu:13a:cased`, or both unspecified); 'different' where what is known differs (another scorer).
-    (A variant key is `scorer:details`; published.csv's `bleu:unspecified`, BLEU by a scorer not named, compares as
-    a scorer of its own.)"""
-    if "unspecified" not in [*ours.split(":"), *theirs.split(":")]:
+    beside `sacrebleu:13a:cased`, or both unspecified; published.csv's `bleu:unspecified`, BLEU by a scorer the paper
+    does not name, beside any BLEU scorer's); 'different' where what is known differs (another scorer). A variant
+    key is `scorer:details`."""
+    keys = [ours.split(":"), theirs.split(":")]
+    if not any("unspecified" in k for k in keys):
         return "different"
-    return "unknown" if ours.split(":")[0] == theirs.split(":")[0] else "different"
+    scorers = {k[0] for k in keys}
+    unnamed_bleu = any(k == [UNNAMED_BLEU, "unspecified"] for k in keys) and all(s.endswith("bleu") for s in scorers)
+    return "unknown" if len(scorers) == 1 or unnamed_bleu else "different"
+
+
+UNNAMED_BLEU = "bleu"  # published.csv's scorer for BLEU whose scorer a paper does not name
 
 
 # Which model a number is of (published.csv's `selection`; empty: not stated). Every record of ours is the model at
