@@ -427,12 +427,31 @@ def _mean(done: pd.DataFrame, label: str, col: str) -> float:
 
 
 def _steps(results: SweepResults, done: pd.DataFrame, label: str) -> str:
-    """'ours 600 steps of 64 examples': the training length of a (single-stage) sweep's cell, as recorded."""
+    """'ours 600 training steps of 64 examples': the training length of a (single-stage) sweep's cell, as recorded;
+    a study in stages: its first stage's data and training length (the pretraining a published ablation differs in
+    most: BERT's 1M steps on BooksCorpus and Wikipedia against a short run on a small corpus)."""
+    if results.stages:
+        return _first_stage_budget(results, done, label)
     steps = pd.to_numeric(done.loc[done["label"] == label, "steps"], errors="coerce") if "steps" in done else None
-    if results.stages or steps is None or not steps.notna().any():
+    if steps is None or not steps.notna().any():
         return ""
     batch = ((results.experiment_config(label).get("train") or {}).get("batch_size"))
     return f"ours {int(steps.median())} training steps" + (f" of {batch} examples" if batch else "")
+
+
+def _first_stage_budget(results: SweepResults, done: pd.DataFrame, label: str) -> str:
+    """The first stage's dataset and training length from the cell's config (whose resolved form each trial's
+    `ran_as_planned` checks); its steps are the budget `train.max_steps`, which a time budget may have cut."""
+    first = results.stages[0]
+    cfg = results.experiment_config(label, first)
+    task, train = cfg.get("task") or {}, cfg.get("train") or {}
+    if not task.get("dataset") or not train.get("max_steps"):
+        return ""
+    cut = done.loc[done["label"] == label, "stopped_by"].eq("time").any() if "stopped_by" in done else False
+    batch, seq_len = train.get("batch_size"), task.get("seq_len")
+    return (f"our {first} stage: {task['dataset']}, {train['max_steps']} steps"
+            + (f" of {batch} x {seq_len} tokens" if batch and seq_len else "")
+            + (" (some cut short by train.max_time_s)" if cut else ""))
 
 
 def _held_notes(results: SweepResults, e: pd.Series, pair: CellPair) -> list[str]:
