@@ -197,6 +197,6 @@ def test_a_diverged_trial_row_says_why_in_its_error_column():
 
     record = {"status": "diverged", "diverged_at_step": 14,
               "divergence": {"step": 14, "reason": "mean training loss 400 over steps 12-14 above 4 x the initial 8"}}
-    assert _status(record, {"attempts": [{"id": 1, "ended": 1.0, "outcome": "diverged"}]}) == (
+    assert _status(record, [{"id": "s#1", "ended": 1.0, "outcome": "diverged"}]) == (
         "diverged", "mean training loss 400 over steps 12-14 above 4 x the initial 8")
-    assert _status({"status": "completed"}, None) == ("completed", "")
+    assert _status({"status": "completed"}, []) == ("completed", "")

@@ -20,7 +20,7 @@ from study.record import RunDir, make_record
 from study.sweep import SweepOptions, run_sweep
 from study.sweep.layout import trial_specs
 from study.sweep.queue import TrialQueue, TrialSpec
-from study.sweep.results import _status
+from study.sweep.results import _status, own_attempts
 from study.sweep.runner import prepare
 from study.sweep.storage import open_storage
 from study.sweep import worker
@@ -65,7 +65,7 @@ def test_a_trial_killed_after_writing_its_finished_record_is_settled_as_that_res
     last = _last_attempt(attempt.run_dir)
     assert last["outcome"] == "completed" and last["returncode"] == -9  # the exit code stays in the log
     run = RunDir(attempt.run_dir)
-    assert _status(run.read(), read_json_or_none(run.trial)) == ("completed", "")
+    assert _status(run.read(), own_attempts(read_json_or_none(run.trial), "s")) == ("completed", "")
 
 
 def test_a_killed_trial_whose_finished_record_lacks_the_objective_fails_for_that_reason_without_a_retry(tmp_path):
@@ -78,7 +78,7 @@ def test_a_killed_trial_whose_finished_record_lacks_the_objective_fails_for_that
     last = _last_attempt(attempt.run_dir)
     assert last["returncode"] == -9 and "no finite 'valid_loss'" in last["error"]
     run = RunDir(attempt.run_dir)
-    status, error = _status(run.read(), read_json_or_none(run.trial))
+    status, error = _status(run.read(), own_attempts(read_json_or_none(run.trial), "s"))
     assert status == "failed" and "no finite 'valid_loss'" in error
 
 
@@ -98,13 +98,47 @@ def test_a_failed_process_does_not_take_a_finished_record_it_did_not_write_for_i
     assert worker._settle(queue, layout, PLAN, attempt, rc=1) == "failed"
     assert [t.state.name for t in queue.trials()] == ["FAIL"]
     assert _last_attempt(attempt.run_dir)["outcome"] == "failed"
-    assert _status(run.read(), read_json_or_none(run.trial))[0] == "failed"
+    assert _status(run.read(), own_attempts(read_json_or_none(run.trial), "s"))[0] == "failed"
     # the same record written during the attempt (a process killed after finishing) is its result
     queue2 = TrialQueue(optuna.storages.InMemoryStorage(), "s2", max_retries=0)
     queue2.sync([TrialSpec(key="p-s0", point="p", seed=0, label="baseline")])
     attempt2 = worker._start(queue2, layout, queue2.claim({"p-s0"}), {**PLAN, "sweep": "s2"})
     run.write(make_record("completed", {"valid_loss": 1.5}, {}, steps=10))
     assert worker._settle(queue2, layout, {**PLAN, "sweep": "s2"}, attempt2, rc=-9) == "completed"
+
+
+def test_sweeps_sharing_a_run_directory_each_read_their_own_attempts(tmp_path):
+    """trial.json is shared by the sweeps that share a point's run directory: sweep b's failed attempt (its process
+    stopped before handing back) does not turn sweep a's finished trial into a failed one, and a record sweep b
+    finished after sweep a's attempt had failed is sweep a's result too."""
+    from study.sweep.layout import SweepLayout
+
+    layout = SweepLayout(tmp_path / "s")
+    run = RunDir(layout.run_dir("p", 0))
+
+    def attempt_of(sweep: str):
+        queue = TrialQueue(optuna.storages.InMemoryStorage(), sweep, max_retries=0)
+        queue.sync([TrialSpec(key="p-s0", point="p", seed=0, label="baseline")])
+        return queue, worker._start(queue, layout, queue.claim({"p-s0"}), {**PLAN, "sweep": sweep})
+
+    def status(sweep: str) -> str:
+        return _status(run.read(), own_attempts(read_json_or_none(run.trial), sweep), run.metrics.stat().st_mtime)[0]
+
+    queue, attempt = attempt_of("a")
+    run.write(make_record("completed", {"valid_loss": 1.5}, {}, steps=10))
+    assert worker._settle(queue, layout, {**PLAN, "sweep": "a"}, attempt, rc=0) == "completed"
+    queue, attempt = attempt_of("b")
+    assert worker._settle(queue, layout, {**PLAN, "sweep": "b"}, attempt, rc=1) == "failed"
+    assert (status("a"), status("b")) == ("completed", "failed")
+    # the other way round: a's attempt failed first, then b finished the run
+    run.metrics.unlink()
+    queue, attempt = attempt_of("a")
+    assert worker._settle(queue, layout, {**PLAN, "sweep": "a"}, attempt, rc=1) == "failed"
+    queue, attempt = attempt_of("b")
+    time.sleep(0.01)
+    run.write(make_record("completed", {"valid_loss": 1.4}, {}, steps=10))
+    assert worker._settle(queue, layout, {**PLAN, "sweep": "b"}, attempt, rc=0) == "completed"
+    assert (status("a"), status("b")) == ("completed", "completed")
 
 
 def test_a_sweep_whose_trial_process_dies_after_finishing_tabulates_its_result(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,25 @@ from study.record import DIVERGED, FINISHED, PENDING, RUNNING, RunDir, flatten_r
 from study.sweep.layout import SweepLayout, current_tuned, read_tuned, seed_key
 
 
-def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tuple[str, str]:
-    attempts = (trial or {}).get("attempts", [])
+def own_attempts(trial: dict[str, Any] | None, sweep: str) -> list[dict[str, Any]]:
+    """This sweep's attempts at a trial, in the order they started. trial.json is shared by the sweeps that share the
+    run directory (attempt ids are `<sweep>#<n>`), and an attempt updated when it ends is written last: another
+    sweep's failed attempt says nothing of this sweep's trial."""
+    attempts = [a for a in (trial or {}).get("attempts", []) if str(a.get("id", "")).startswith(f"{sweep}#")]
+    return sorted(attempts, key=lambda a: float(a.get("started") or 0.0))
+
+
+def _status(metrics: dict[str, Any] | None, attempts: list[dict[str, Any]],
+            written: float | None = None) -> tuple[str, str]:
+    """(status, why) of a trial from its record and this sweep's attempts (`own_attempts`); `written`: when the
+    record was written (its file's mtime), so a record another sweep finished after this sweep's attempt failed is
+    this trial's result."""
     last = attempts[-1] if attempts else {}
     if metrics and metrics.get("status") in FINISHED:
         # finished, but failed by its worker: its objective is missing, or the record was not this attempt's (the
         # process stopped before training, e.g. on another config's run in the directory; study.sweep.worker)
-        if last.get("outcome") == "failed":
+        newer = written is not None and written > float(last.get("ended") or math.inf)
+        if last.get("outcome") == "failed" and not newer:
             return "failed", last.get("error", "")
         why = (metrics.get("divergence") or {}).get("reason", "") if metrics["status"] == DIVERGED else ""
         return metrics["status"], why  # a diverged run says which part of the divergence rule stopped it
@@ -47,6 +60,13 @@ def _status(metrics: dict[str, Any] | None, trial: dict[str, Any] | None) -> tup
     return PENDING, f"last attempt {last.get('outcome', 'ended')}"  # lost/interrupted: queued again
 
 
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def _resolved_value(run: RunDir, record: dict[str, Any] | None, path: str, stages: list[str]) -> Any:
     """The value the trial ran at axis path `path`, from the resolved config.yaml of the run directory that ran
     it (a pipeline: of the stage the path belongs to); _MISSING when there is no resolved config to read (a null is a
@@ -54,10 +74,11 @@ def _resolved_value(run: RunDir, record: dict[str, Any] | None, path: str, stage
     from study.config.sweep import route
 
     stage, field = route(path, stages)
-    directory = run.path
-    if stage is not None:
-        directory = Path(stage_run_dirs(record, run.path).get(stage, ""))
-    cfg = RunDir(directory).config if str(directory) else None
+    directory: Path | None = run.path
+    if stage is not None:  # (a stage that never ran, after an earlier one diverged, has no directory)
+        found = stage_run_dirs(record, run.path).get(stage)
+        directory = Path(found) if found else None
+    cfg = RunDir(directory).config if directory is not None else None
     if cfg is None or not cfg.is_file():
         return _MISSING
     return _field_of(load_yaml(cfg.read_text()) or {}, field)
@@ -175,8 +196,9 @@ def trial_row(plan: dict[str, Any], point: dict[str, Any], seed: int, run_dir: P
         row["label"] = f"{point['label']} (ran: " + ", ".join(f"{k}={v}" for k, v in mismatched.items()) + ")"
     row.update(_task_columns(point["config"]))
     row.update(resolved_fields(plan, point, run, record if record and record.get("status") in FINISHED else None))
-    status, error = _status(record, read_json_or_none(run.trial))
-    row.update(status=status, attempts=len((read_json_or_none(run.trial) or {}).get("attempts", [])), error=error)
+    attempts = own_attempts(read_json_or_none(run.trial), plan["sweep"])
+    status, error = _status(record, attempts, _mtime(run.metrics))
+    row.update(status=status, attempts=len(attempts), error=error)
     try:
         flat = flatten_record(record or {})
     except ValueError as err:  # a record this version cannot read: said with its file, not misread
