@@ -314,14 +314,20 @@ def test_a_length_the_split_cannot_fill_is_not_applicable_rather_than_a_shorter_
 
 
 def test_lm_declines_objectives_it_never_writes():
-    """The length curve is written for the last split only, and the 2x point only where eval_lengths has 2."""
+    """The length curve is written for the last split only, the 2x point only where eval_lengths has 2, and a
+    length past a learned position table (max_seq_len rows) as n/a."""
     task = LanguageModelling()
-    wikitext = make_cfg(task={"dataset": "wikitext-2", "eval_lengths": [1, 2]})
+    rope = {"position": "rope"}
+    wikitext = make_cfg(model=rope, task={"dataset": "wikitext-2", "eval_lengths": [1, 2]})
     assert "last split only (test)" in task.unwritten_metric(wikitext, "valid_ppl_at_2x")
     assert task.unwritten_metric(wikitext, "test_ppl_at_2x") is None
-    shakespeare = make_cfg(task={"eval_lengths": [1, 4]})
+    shakespeare = make_cfg(model=rope, task={"eval_lengths": [1, 4]})
     assert "has no 2" in task.unwritten_metric(shakespeare, "valid_ppl_at_2x")
-    assert task.unwritten_metric(make_cfg(task={"eval_lengths": [1, 2]}), "valid_ppl_at_2x") is None
+    assert task.unwritten_metric(make_cfg(model=rope, task={"eval_lengths": [1, 2]}), "valid_ppl_at_2x") is None
+    learned = make_cfg(model={"position": "learned", "max_seq_len": 16}, task={"seq_len": 16, "eval_lengths": [1, 2]})
+    assert "cannot address length 32" in task.unwritten_metric(learned, "valid_ppl_at_2x")
+    assert "cannot address length 32" in task.unwritten_metric(learned, "valid_ppl_by_length.32")
+    assert task.unwritten_metric(learned, "valid_ppl_by_length.16") is None
 
 
 def test_eval_tokens_must_hold_a_window_of_the_longest_evaluation_length():

@@ -72,6 +72,16 @@ def test_an_objective_that_some_points_never_write_is_refused_naming_them(tmp_pa
         assert "eval_lengths=[1, 4]" in text  # the point it is missing at
 
 
+def test_an_extrapolation_objective_a_learned_position_table_cannot_reach_is_refused(tmp_path):
+    """A learned table of max_seq_len rows writes n/a past it: the point would train to the end, then fail for its
+    objective. Refused before anything runs, naming the point; a table that reaches twice seq_len is fine."""
+    text = refused(tmp_path, **LM, axes={"model.position": ["rope", "learned"]},
+                   set={"model.max_seq_len": 128, "task.seq_len": 128}, objective={"metric": "valid_ppl_at_2x"})
+    assert "learned positions cannot address length 256 (model.max_seq_len=128)" in text and "position=learned" in text
+    plan_of(tmp_path, **LM, axes={"model.position": ["rope", "learned"]},
+            set={"model.max_seq_len": 256, "task.seq_len": 128}, objective={"metric": "valid_ppl_at_2x"})
+
+
 def test_a_sweep_that_trains_on_a_gpu_gets_no_time_from_this_machines_cpu(tmp_path):
     plan = plan_of(tmp_path, **LM, set={"train.accelerator": "gpu"}, axes={"model.norm": ["rmsnorm", "layernorm"]})
     cost = estimate(plan, rate_flops=None)

@@ -71,7 +71,20 @@ class LanguageModelling(TaskFamily):
                     f"use {splits[-1]}{metric[len(split):]}")
         if metric.endswith("_ppl_at_2x") and 2 not in cfg.task.eval_lengths:
             return f"task.eval_lengths={list(cfg.task.eval_lengths)} has no 2: {metric} is never written"
+        return _beyond_positions(cfg, metric) if extrapolation else None
+
+
+def _beyond_positions(cfg: ExperimentConfig, metric: str) -> str | None:
+    """Why an extrapolation metric is written as n/a (study.tasks.lm): its length is beyond the rows of a position
+    scheme that cannot extrapolate (a learned table of max_seq_len rows)."""
+    from study.axes import POSITIONS
+
+    tail = metric.rsplit(".", 1)[-1]
+    length = 2 * cfg.task.seq_len if metric.endswith("_ppl_at_2x") else int(tail) if tail.isdigit() else None
+    if length is None or POSITIONS[cfg.model.position].extrapolates or length <= cfg.model.max_seq_len:
         return None
+    return (f"{cfg.model.position} positions cannot address length {length} (model.max_seq_len="
+            f"{cfg.model.max_seq_len}): {metric} is written as n/a")
 
 
 
