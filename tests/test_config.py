@@ -116,6 +116,8 @@ def test_presets_are_the_published_recipes():
     vaswani = preset("vaswani")
     assert (vaswani.arch, vaswani.norm_position, vaswani.position, vaswani.activation) == (
         "encoder-decoder", "post", "sinusoidal", "relu")
+    # residual dropout only (§5.4); BERT and GPT-2 drop attention weights at their dropout rate
+    assert (vaswani.resolved_attention_dropout, bert.resolved_attention_dropout) == (0.0, 0.1)
     assert preset("t5").position == "t5_bias"
     assert preset("gpt2").activation == "gelu_tanh"
 

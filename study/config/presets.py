@@ -14,10 +14,12 @@ from study.config.model import ModelConfig
 # An encoder-decoder preset leaves n_encoder_layers to its rule (None: as many as n_layers; both published models
 # have equal depths), so that overriding n_layers deepens both stacks and arch stays overridable.
 PRESETS: dict[str, dict[str, Any]] = {
-    # Vaswani et al. 2017, "Attention Is All You Need", base model (Table 3).
+    # Vaswani et al. 2017, "Attention Is All You Need", base model (Table 3). Dropout is residual only (§5.4: on
+    # each sublayer's output and on the embedding sums), none on the attention weights (tensor2tensor's
+    # transformer_base_v1: attention_dropout 0.0).
     "vaswani": dict(
         arch="encoder-decoder", norm_position="post", norm="layernorm", norm_eps=1e-5, position="sinusoidal",
-        activation="relu", d_model=512, n_layers=6, n_heads=8, dropout=0.1,
+        activation="relu", d_model=512, n_layers=6, n_heads=8, dropout=0.1, attention_dropout=0.0,
         embed_scale=True, tie_embeddings=True, bias=True, vocab_size=37000, max_seq_len=1024,
     ),
     # Devlin et al. 2018, BERT-base: post-LN, learned positions, segments, embedding LayerNorm, MLM + NSP.
