@@ -45,7 +45,7 @@ DECLARED = {
                  "valid_nsp_loss": _decl("minimize", "nats/pair"),
                  "valid_masked_tokens": _decl("maximize", "count", False),
                  "valid_nsp_pairs": _decl("maximize", "count", False)},
-    "glue": {"glue_score": _decl("maximize", "0-100"),
+    "glue": {"glue_score": _decl("maximize", "0-100", defined_by=("task.glue_tasks",)),
              "*_std": _decl("minimize", "0-100 (sample sd over fine-tuning seeds)", False),
              "*/score": _decl("maximize", "0-100"),
              **{f"*/{m}": _decl("maximize", "0-100")

@@ -173,6 +173,32 @@ def test_a_point_that_spells_out_what_another_leaves_unset_is_the_same_run_and_t
     assert baseline.config.model.n_kv_heads is None
 
 
+def test_window_patterns_that_build_the_same_layers_are_one_run():
+    """The pattern restarts in each stack, cut to its depth and repeated: over two layers 'LGGG' and 'LGLL' build
+    'LG', and an all-local pattern builds what no pattern does. The plan skips such points as duplicates rather than
+    read two seeds' noise between identical models as an effect."""
+    from study.config import ExperimentConfig, content_hash
+    from study.config.hashing import same_run_hash
+
+    def cfg(pattern, n_layers=2):
+        return ExperimentConfig.from_dict({"model": {"preset": "llama2", "d_model": 32, "n_layers": n_layers,
+                                                     "n_heads": 2, "window": 8, "window_pattern": pattern}})
+
+    assert len({same_run_hash(cfg(p)) for p in ("LG", "LGGG", "LGLL")}) == 1
+    assert len({same_run_hash(cfg(p)) for p in (None, "L", "LL")}) == 1
+    assert same_run_hash(cfg("LG")) != same_run_hash(cfg("GL")) != same_run_hash(cfg(None))
+    assert same_run_hash(cfg("LG", 4)) != same_run_hash(cfg("LGGG", 4))  # over four layers they differ
+    assert content_hash(cfg("LG")) != content_hash(cfg("LGGG"))  # run directories keep their names
+
+
+def test_a_sweep_over_window_patterns_skips_those_that_build_the_same_layers(tmp_path):
+    plan = plan_of(tmp_path, **LM, set={"model.window": 16, "model.n_layers": 2},
+                   axes={"model.window_pattern": ["LG", "LGGG", "GL"]})
+    check(plan)
+    assert [p.label for p in plan.points] == ["baseline", "window_pattern=GL"]
+    assert plan.duplicates == [("window_pattern=LGGG", "baseline")]
+
+
 @pytest.mark.parametrize("base, axes, metric", [
     ("mt", {"task.test_sets": [["test_2016_flickr"], ["test_2017_mscoco"]]}, "bleu"),  # another test set
     ("mt", {"direction": {"de-en": {"task.src_lang": "de", "task.tgt_lang": "en"},
@@ -182,14 +208,15 @@ def test_a_point_that_spells_out_what_another_leaves_unset_is_the_same_run_and_t
     ("mt", {"task.seq_len": [128, 32]}, "valid_loss"),  # validation pairs cut shorter: other tokens scored
     ("lm", {"task.eval_tokens": [4096, None]}, "valid_loss"),  # part of the split against all of it
     ("lm", {"task.dataset": ["tinyshakespeare", "wikitext-2"]}, "valid_loss"),  # another corpus
+    ("glue", {"task.glue_tasks": [["sst2", "cola"], ["sst2", "rte"]]}, "glue_score"),  # a mean over other tasks
 ])
 def test_an_objective_measured_on_other_text_cannot_rank_the_points(tmp_path, base, axes, metric):
     """BLEU on another test set or into another language, a loss over part of a split or over another corpus: one
     name, another quantity at each point."""
     from test_sweep_refusals import EXPERIMENTS
 
-    spec = LM if base == "lm" else {"base": str(EXPERIMENTS / "multi30k_de_en.yaml"),
-                                     "set": {"train.precision": "32-true"}}
+    bases = {"mt": "multi30k_de_en.yaml", "glue": "glue_finetune.yaml"}
+    spec = LM if base == "lm" else {"base": str(EXPERIMENTS / bases[base]), "set": {"train.precision": "32-true"}}
     if "task.dataset" in axes:
         spec = {**spec, "set": {"task.tokenizer": "bpe", "task.vocab_size": 2000}}
     assert f"objective: {metric} measures something else where" in refused(

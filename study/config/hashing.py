@@ -47,7 +47,20 @@ def _identity(cfg: Config, drop_seed: bool, resolved: bool) -> dict[str, Any]:
     data.pop("name", None)
     if drop_seed:
         data.get("train", {}).pop("seed", None)
+    model = getattr(cfg, "model", None)
+    if resolved and model is not None and getattr(model, "window", None) is not None:
+        _built_pattern(model, data)
     return data
+
+
+def _built_pattern(model: Any, data: dict[str, Any]) -> None:
+    """window_pattern as the layers it builds: the pattern restarts in each stack, cut to its depth and repeated, so
+    'LGGG' and 'LG' over two layers build one model, and an all-local pattern the model of none."""
+    spans = model.stack_spans()
+    section = data.setdefault("model", {})
+    section.pop("window_pattern", None)
+    if "global" in spans:
+        section["window_pattern"] = "".join("L" if s == "local" else "G" for s in spans)
 
 
 def without_defaults(section: Config, resolved: bool = False) -> dict[str, Any]:
