@@ -209,8 +209,13 @@ def test_nanogpt_best_val_at_context_256_is_not_our_final_loss_at_ours():
     assert "different model reported (ours: the model at the end of training; published: the best validation " \
            "value over training" in row["comparability"]
     unknown = compare_numbers([_ours_loss()], nano).iloc[0]  # a context we do not know is never called the same
-    assert "our evaluation context not known (published: 256 tokens)" in unknown["comparability"]
-    assert not unknown["comparable"]  # the selection still differs
+    assert "evaluation context not known on our side (published: 256 tokens per window)" in unknown["comparability"]
+    assert not unknown["comparable"] and unknown["same_context"] is None
+    # ... and not comparable for it alone, where the model reported is the same
+    final = nano.assign(selection="final")
+    unknown = compare_numbers([_ours_loss()], final).iloc[0]
+    assert not unknown["comparable"] and "evaluation context not known" in unknown["comparability"]
+    assert compare_numbers([_ours_loss(context=256)], final).iloc[0]["comparable"]
 
 
 def test_a_published_row_stating_our_setting_is_comparable():

@@ -146,10 +146,13 @@ def _published_context(pub: pd.Series) -> int | None:
     return int(value) if pd.notna(value) else None
 
 
-def _same_context(context: int | None, pub: pd.Series) -> bool:
-    """The same evaluation context, or not stated on one side (then the sentence says so)."""
+def _same_context(context: int | None, pub: pd.Series) -> bool | None:
+    """The same evaluation context (True also where the publication states none: the row does not depend on one);
+    None where the publication states one and ours is not known, which is never called the same."""
     theirs = _published_context(pub)
-    return theirs is None or context is None or context == theirs
+    if theirs is None:
+        return True
+    return None if context is None else context == theirs
 
 
 def _same_selection(pub: pd.Series) -> bool:
@@ -164,7 +167,7 @@ def _setting_differences(m: Measurement, pub: pd.Series) -> tuple[list[str], lis
     parts, notes = [], []
     theirs = _published_context(pub)
     if theirs is not None and m.context is None:
-        notes.append(f"our evaluation context not known (published: {theirs} tokens)")
+        parts.append(f"evaluation context not known on our side (published: {theirs} tokens per window)")
     elif not _same_context(m.context, pub):
         parts.append(f"different evaluation context (ours: {m.context} tokens per window; published: {theirs})")
     if not _same_selection(pub):
