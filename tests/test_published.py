@@ -125,7 +125,7 @@ def test_effect_verdicts():
     assert _effect_verdict("same", "inconclusive") == "consistent"
     assert _effect_verdict("same", "worse") == "disagree"
     assert _effect_verdict("better", "no CI (n=1)") == "no CI (n=1)"
-    assert _effect_verdict("better", "no pairs") == "not run"
+    assert _effect_verdict("better", "no pairs") == "no common seeds"  # both may have run, on other seeds
     assert _effect_verdict("better", "direction not declared") == "not compared (direction not declared)"
 
 

@@ -374,7 +374,9 @@ def _effect_verdict(published: str, ours: str, withheld: bool = False) -> str:
     (stats.PairedDifference.verdict), so 'inconclusive' does not mean our interval contains zero: never 'consistent'."""
     if withheld:
         return "inconclusive"
-    if ours in ("no pairs", "not run"):
+    if ours == "no pairs":  # both cells may have run, on no seed in common: nothing is paired
+        return "no common seeds"
+    if ours == "not run":
         return "not run"
     if ours == "not measured":
         return "not measured"
