@@ -386,6 +386,20 @@ def test_a_cell_outside_a_conditional_axis_pairs_only_where_its_config_matches()
         CellPair("pre,mha", "pre,mqa", (("norm_position", "pre"),))]
 
 
+def test_a_trial_that_ran_off_plan_is_no_cell_an_effect_pairs(tmp_path):
+    """The layernorm point's trials ran RMSNorm (relabelled `norm=layernorm (ran: norm=rmsnorm)`): their axes equal
+    the baseline's, yet they are no cell of the design, never a second baseline paired against every variant."""
+    root = make_synthetic_sweep(tmp_path / "s", problems=False)
+    table = pd.read_parquet(root / "results.parquet")
+    off = table["label"] == "norm=layernorm"
+    table.loc[off, ["label", "axis.norm", "ran_as_planned"]] = ["norm=layernorm (ran: norm=rmsnorm)", "rmsnorm", False]
+    table.to_parquet(root / "results.parquet", index=False)
+    results = load_results(root)
+    assert cell_pairs(results, "norm_position", "pre", "post") == [
+        CellPair("baseline", "norm_position=post", tuple((a, v) for a, v in results.baseline_values().items()
+                                                         if a != "norm_position"))]
+
+
 def test_an_effect_on_a_metric_the_two_cells_define_differently_is_not_tested(tmp_path, effects):
     """A published NSP effect read on our pretraining MLM loss in each model's own input format (segment pairs
     with NSP, full sentences without) would compare losses over different inputs: the pair is listed as untested,
