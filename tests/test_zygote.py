@@ -94,6 +94,23 @@ def test_a_child_can_be_killed_and_a_wait_times_out_meanwhile(zygote):
     assert child.wait(timeout=30) == -signal.SIGKILL
 
 
+def test_an_end_reported_after_the_worker_stopped_waiting_reaches_its_own_trial(zygote):
+    """A killed trial the worker stopped waiting for (study.sweep.worker gives it GIVE_BACK_S) reports its end
+    later, between the next trial's replies: the next start gets its own pid, each wait its own exit code."""
+    z, tmp = zygote
+    first = z.start(_argv(tmp, "h"), str(tmp / "h.log"), 1, {"STUDY_ZYGOTE_MODE": "sleep"})
+    first.kill()
+    time.sleep(1.0)  # its end is in the pipe before the next start's reply
+    second = z.start(_argv(tmp, "i"), str(tmp / "i.log"), 1, {"STUDY_ZYGOTE_MODE": "ok"})
+    assert second.pid != first.pid
+    assert second.wait(timeout=60) == 0
+    assert first.wait(timeout=5) == -signal.SIGKILL
+    third = z.start(_argv(tmp, "j"), str(tmp / "j.log"), 1, {"STUDY_ZYGOTE_MODE": "sleep"})
+    third.kill()
+    fourth = z.start(_argv(tmp, "k"), str(tmp / "k.log"), 1, {"STUDY_ZYGOTE_MODE": "ok"})
+    assert (fourth.wait(timeout=60), third.wait(timeout=5)) == (0, -signal.SIGKILL)  # ends awaited out of order
+
+
 def test_a_kill_reaches_only_a_child_the_zygote_has_not_reaped(zygote):
     """The worker kills a trial through the zygote, its parent: once the zygote has reaped a child, its pid may be
     another process's, which the kill must never reach (here a process of ours stands in for one given that pid)."""

@@ -41,6 +41,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -255,19 +256,27 @@ class Zygote:
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
                                         preexec_fn=die_with_parent)
         self.replies = LineReader(self.process.stdout.fileno())
+        # exit codes that arrived while the worker waited for another reply: a child killed but not reaped within
+        # the worker's wait (study.sweep.worker) reports its end later, between other replies
+        self.exits: dict[int, int] = {}
         if self._receive(None) != {"ready": True}:
             raise RuntimeError("trial zygote: expected its ready line first")
 
     def start(self, argv: list[str], log: str, threads: int, env: dict[str, str]) -> TrialProcess:
         self._send({"argv": argv, "log": log, "threads": threads, "env": env})
-        return TrialProcess(self, int(self._receive(None)["pid"]))
+        while "exit" in (message := self._receive(None)):
+            self.exits[int(message["pid"])] = int(message["exit"])
+        return TrialProcess(self, int(message["pid"]))
 
     def exit_of(self, pid: int, timeout: float | None) -> int:
-        """The exit code of child `pid`, waiting up to `timeout` seconds for it."""
-        message = self._receive(timeout)
-        if message.get("pid") != pid or "exit" not in message:
-            raise RuntimeError(f"trial zygote: expected the end of {pid}, got {message}")
-        return int(message["exit"])
+        """The exit code of child `pid`, waiting up to `timeout` seconds for it (others' ends kept for them)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.exits:
+            message = self._receive(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if "exit" not in message:
+                raise RuntimeError(f"trial zygote: expected the end of {pid}, got {message}")
+            self.exits[int(message["pid"])] = int(message["exit"])
+        return self.exits.pop(pid)
 
     def kill(self, pid: int) -> None:
         """Kill child `pid` (and its process group) if it still runs; the zygote decides, as its parent (see the
