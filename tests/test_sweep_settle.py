@@ -6,6 +6,7 @@ writing its record, or a stand-in child that the worker supervises in-process)."
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -216,3 +217,28 @@ def test_a_worker_whose_trial_is_reaped_as_it_ends_goes_on_and_the_retry_settles
     key = trial_specs(read_json(layout.plan_path))[0].key
     assert summary.lost == [key] and summary.ran == [key, key] and not summary.failed
     assert queue.counts([key])["done"] == 1 and len(starts) == 2
+
+
+def test_a_result_fine_tuned_from_a_model_since_replaced_is_no_finished_trial(tmp_path):
+    """A sweep rebuilds its queue from the run directories; a fine-tuning result whose start (task.init_from) was
+    forced anew since is not handed back by the run layer, so the sweep does not count it done: it is queued again."""
+    from study.config import ExperimentConfig
+    from study.record import started_from
+    from study.sweep.layout import SweepLayout, finished_results
+
+    pre = RunDir(tmp_path / "pre")
+    pre.path.mkdir()
+    pre.weights.write_bytes(b"the pretrained model")
+    layout = SweepLayout(tmp_path / "s")
+    cfg = ExperimentConfig.from_dict({"model": {"arch": "encoder", "objective": "mlm"},
+                                      "task": {"name": "glue", "dataset": "glue", "init_from": str(pre.path)}})
+    layout.point_config("p").parent.mkdir(parents=True)
+    layout.point_config("p").write_text(cfg.to_yaml())
+    run = RunDir(layout.run_dir("p", 0))
+    run.path.mkdir(parents=True)
+    run.write(make_record("completed", {"glue_score": 60.0}, {}, steps=10))
+    run.data.write_text(json.dumps({"parts": {"SST-2/seed0": started_from(pre.path)}}))
+    specs = [TrialSpec(key="p-s0", point="p", seed=0, label="baseline")]
+    assert finished_results(layout, specs, "glue_score") == {"p-s0": 60.0}
+    pre.weights.write_bytes(b"the model trained anew")  # `study run --force` of the pretraining
+    assert finished_results(layout, specs, "glue_score") == {}

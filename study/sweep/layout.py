@@ -162,11 +162,30 @@ def finished_results(layout: "SweepLayout", specs: list[TrialSpec], metric: str)
     for s in specs:
         if s.kind != "seed":  # a tuning trial's config is sampled when it starts: nothing to find on disk
             continue
-        record = layout.run(s.runs_point or s.point, s.seed).finished()
+        run = layout.run(s.runs_point or s.point, s.seed)
+        record = run.finished()
         value = metric_value(record, metric) if record is not None else None
         if record is not None and (value is not None or record["status"] != "completed"):
+            if _of_a_replaced_model(layout.point_config(s.runs_point or s.point), run, record):
+                continue  # queued again: the run layer runs it anew from the model there now
             finished[s.key] = value
     return finished
+
+
+def _of_a_replaced_model(config: Path, run: RunDir, record: dict[str, Any]) -> bool:
+    """A finished result fine-tuned from a model its start no longer holds (a shared pretraining stage, or the run
+    task.init_from names, forced anew since): the run layer would not hand it back (study.run.pipeline.replaced_stage,
+    study.run.single.replaced_start), so it is no result of this sweep's either."""
+    from study.config import PipelineConfig, load_experiment
+    from study.run.pipeline import replaced_stage
+    from study.run.single import replaced_start
+
+    if not config.is_file():
+        return False
+    cfg = load_experiment(config)
+    if isinstance(cfg, PipelineConfig):
+        return replaced_stage(cfg, run, record) is not None
+    return bool(cfg.task.init_from) and replaced_start(run, cfg.task.init_from) is not None
 
 
 def _axis_choices(plan: dict[str, Any]) -> dict[str, tuple[str, ...]]:
