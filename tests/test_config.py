@@ -243,6 +243,12 @@ def test_every_shipped_experiment_config_is_valid(path):
     assert cfg.name and ExperimentConfig.from_yaml(cfg.to_yaml()) == cfg
 
 
+@pytest.mark.parametrize("eps", [0.0, -1e-8])
+def test_adam_eps_must_be_positive_before_the_optimizer_is_built(eps):
+    with pytest.raises(ConfigError, match=r"adam_eps: must be > 0"):
+        TrainConfig(adam_eps=eps)
+
+
 @pytest.mark.parametrize("decay", [0.0, 1.0, 1.5, -0.1])
 def test_ema_decay_outside_the_open_unit_interval_is_rejected(decay):
     with pytest.raises(ConfigError, match=r"ema_decay: must be in \(0, 1\) or null"):

@@ -242,3 +242,12 @@ def test_an_objective_whose_meaning_an_axis_changes_cannot_rank_the_points(tmp_p
     tune = {"field": "task.mlm_probability", "low": 0.1, "high": 0.4, "log": False}
     assert "tune.field: task.mlm_probability decides what the objective valid_mlm_loss measures" in refused(
         tmp_path, **PRETRAIN, tune=tune, axes={"model.norm": ["layernorm"]})
+
+
+def test_a_schedule_axis_that_warm_up_leaves_no_step_is_refused(tmp_path):
+    """Every schedule warms up alike: with warm-up as long as training, cosine and linear train the same steps."""
+    text = refused(tmp_path, **LM, set={"train.max_steps": 50, "train.warmup_steps": 50},
+                   axes={"train.schedule": ["cosine", "linear"]})
+    assert "train.schedule does not reach the trained model: warm-up (warmup_steps=50) lasts max_steps=50" in text
+    check(plan_of(tmp_path, **LM, set={"train.max_steps": 50, "train.warmup_steps": 10},
+                  axes={"train.schedule": ["cosine", "linear"]}))

@@ -84,3 +84,13 @@ class TrainConfig(Config):
             p.check(self.min_lr_ratio == default, "min_lr_ratio",
                     f"only applies to schedule cosine or linear (a floor of their decay), got {self.min_lr_ratio} with "
                     f"schedule={self.schedule!r}; leave it at its default {default}")
+        p.check(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
+
+    def unread_fields(self) -> dict[str, str]:
+        """Field -> why, for each field whose value this config never reaches: a warm-up as long as training leaves
+        no step to the schedule after it (every schedule warms up alike: study.tasks.base.lr_multiplier)."""
+        if self.warmup_steps < self.max_steps - 1:
+            return {}
+        why = (f"warm-up (warmup_steps={self.warmup_steps}) lasts max_steps={self.max_steps} steps, so no step runs "
+               "the schedule after it below the peak rate")
+        return {"schedule": why, "min_lr_ratio": why}

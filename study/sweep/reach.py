@@ -50,6 +50,7 @@ def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, pat
         unread |= task.overridden_fields(exp) | {
             f"model.{n}": f"{why} (vary it only where the position does: an axis with `when: {{position: ...}}`, or "
                           "state it in the base config or `set`)" for n, why in exp.model.unread_fields().items()}
+        unread |= {f"train.{n}": why for n, why in exp.train.unread_fields().items()}
     why = unread.get(field)
     if why is not None:
         return f"{path} does not reach the trained model: {why}"
