@@ -148,6 +148,9 @@ def test_a_completed_trial_without_the_primary_metric_is_named_and_its_row_is_on
     assert "| norm=layernorm | 1 | lm | valid_loss |" in problems and "| span=local | 0, 1, 2 | lm | valid_loss |" \
         in problems
     assert "**4 completed trial(s) wrote no value of the primary metric** (valid_loss)" in md
+    # ... and the note claims only what holds: a table of another metric counts every seed that wrote it
+    assert "left out of the main table's means and of the primary metric's paired differences" in md
+    assert "in no mean and no paired difference" not in md and "left out of every mean" not in md
     # the row's other columns are over the seeds its primary metric is: layernorm's valid_ppl over seeds 0 and 2
     done = load_results(root).completed()
     ppl = done.query("label == 'norm=layernorm' and seed != 1")["metric.valid_ppl"].mean()

@@ -235,7 +235,9 @@ def build_doc(results: SweepResults, figures: list[FigureInfo], out: Path, gener
     if len(unvalued):
         doc.note(f"**{len(unvalued)} completed trial(s) wrote no value of the primary metric** "
                  f"({', '.join(sorted(set(unvalued['metric'])))}): they are named under *Trials that did not "
-                 "complete* and are left out of every mean and paired difference, their other columns included.")
+                 "complete* and are left out of the main table's means and of the primary metric's paired "
+                 "differences; a table of another metric (a GLUE task's, perplexity at twice the length) counts "
+                 "every seed that wrote it.")
     _sweep_section(doc, results)
     counts = results.status_counts
     doc.h(2, "Trials")
@@ -612,8 +614,9 @@ def _problems_section(doc: Doc, results: SweepResults) -> None:
     else:
         _problem_table(doc, bad)
     if len(unvalued):
-        doc.p("Completed without a value of the primary metric: they are in no mean and no paired difference "
-              "(nor are their other columns averaged), and the `n` of their variant does not count them.")
+        doc.p("Completed without a value of the primary metric: they are in no mean of the main table (nor are "
+              "their other columns averaged there) and no paired difference of the primary metric, and the `n` of "
+              "their variant does not count them; tables of other metrics count them where they wrote those.")
         rows = [[label, ", ".join(str(s) for s in sorted(g["seed"].dropna().astype(int))), task, metric]
                 for (task, metric, label), g in unvalued.groupby(["task", "metric", "label"], sort=False)]
         doc.table(["variant", "seeds completed without a value", "task", "metric"], rows, align="llll")
