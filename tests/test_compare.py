@@ -171,6 +171,23 @@ def test_a_single_seed_shows_no_interval_in_compare_md(tmp_path):
     assert "51 (n=1, no CI)" in md and "± 0 " not in md
 
 
+def test_the_best_variant_set_beside_publications_is_never_one_that_diverged_or_ran_off_plan(tmp_path):
+    """norm=layernorm diverged on seed 0; its two surviving seeds are made the lowest losses of the sweep. Their mean
+    flatters it (the report never calls it better), so the best variant shown is another; so is a trial relabelled
+    by what ran, which is no variant of the design."""
+    root = make_synthetic_sweep(tmp_path / "s", partial=False)
+    table = pd.read_parquet(root / "results.parquet")
+    assert set(table.loc[table["status"] == "diverged", "label"]) == {"norm=layernorm"}
+    table.loc[table["label"] == "norm=layernorm", "metric.valid_loss"] -= 1.0
+    off = table["label"] == "position=alibi"
+    table.loc[off, "metric.valid_loss"] -= 0.5
+    table.loc[off, ["label", "ran_as_planned"]] = ["position=alibi (ran: position=rope)", False]
+    table.loc[table["label"] == "position=t5_bias", "metric.valid_loss"] -= 0.1  # the best of the others
+    table.to_parquet(root / "results.parquet", index=False)
+    sources = {m.source.split(":")[1].split("(")[0].strip() for m in sweep_measurements(load_results(root))}
+    assert sources == {"baseline", "position=t5_bias, best variant"}
+
+
 # -- splits named as they are ---------------------------------------------------------------------------------------
 def test_tiny_shakespeare_gives_no_test_measurement(tmp_path):
     root = make_synthetic_sweep(tmp_path / "ts", axes={"position": ["rope", "alibi"]}, partial=False, problems=False,

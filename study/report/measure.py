@@ -22,7 +22,7 @@ from typing import Any
 import pandas as pd
 
 from study.io import load_yaml, read_json_or_none
-from study.record import COMPLETED, flatten_record, record_schema
+from study.record import COMPLETED, DIVERGED, flatten_record, record_schema
 from study.report.collect import SweepResults, metric_column
 from study.report.stats import mean_ci
 
@@ -339,7 +339,9 @@ def sweep_unit(results: SweepResults, rows: pd.DataFrame, task: str) -> str:
 
 
 def sweep_measurements(results: SweepResults) -> list[Measurement]:
-    """For each task: the baseline and the best variant by the declared objective (mean over seeds)."""
+    """For each task: the baseline and the best variant by the declared objective (mean over seeds). A variant
+    with a diverged seed is no candidate (its mean over the seeds that survived flatters it, and the report never
+    calls it better), nor is a trial relabelled by what ran (no variant of the design, and no planned config)."""
     out = []
     for task in results.tasks:
         done = results.completed(task)
@@ -348,6 +350,9 @@ def sweep_measurements(results: SweepResults) -> list[Measurement]:
         metric, direction = results.objective(task)
         col = metric_column(metric)
         means = done.groupby("label")[col].mean().dropna() if col in done else pd.Series(dtype=float)
+        finished = results.finished(task)
+        ran = finished.get("ran_as_planned", pd.Series(True, index=finished.index)).map(str).str.lower() != "false"
+        means = means.drop(set(finished.loc[(finished["status"] == DIVERGED) | ~ran, "label"]), errors="ignore")
         picks = [results.baseline_label]
         if len(means):
             best = means.idxmin() if direction == "minimize" else means.idxmax()
