@@ -190,6 +190,17 @@ def test_a_sweep_runs_every_trial_once_and_a_second_run_runs_nothing(tmp_path):
     assert set(completions(results).values()) == {1}
 
 
+def test_the_spec_kept_beside_the_results_names_the_command_lines_overrides(tmp_path):
+    """A report quotes results/<sweep>/spec.yaml: the file alone would show settings that did not run."""
+    path = write_spec(tmp_path)
+    run_sweep(path, opts(tmp_path), say=lambda s: None, overrides={"train.lr": 0.003, "seeds": [0]})
+    kept = (tmp_path / "results" / "t" / "spec.yaml").read_text()
+    assert kept.startswith(path.read_text().rstrip("\n"))
+    assert kept.endswith("applied on top of the spec above:\n#   train.lr=0.003\n#   seeds=[0]\n")
+    df = pd.read_parquet(tmp_path / "results" / "t" / "results.parquet")
+    assert set(df["seed"]) == {0}
+
+
 def test_the_results_folder_keeps_every_trials_curves_and_survives_without_its_run_directories(tmp_path,
                                                                                                   monkeypatch):
     """A clean clone has results/<sweep>/ but no run directories: rebuilding the table there must keep every

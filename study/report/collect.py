@@ -4,7 +4,7 @@
     results/<sweep>/plan.json         design, objective, seeds, axes, points (with their configs), and each task
                                       family's declarations: its metrics (direction, scale, whether it may rank a
                                       sweep), its default objective and its comparable training curves
-    results/<sweep>/spec.yaml         the sweep spec as written
+    results/<sweep>/spec.yaml         the sweep spec as written, and its `--set` overrides (as comments)
     results/<sweep>/curves.parquet    every trial's training curves (used when its run directory is not here)
 
 Directions and scales are read from those declarations (and, for `cost.*`, from `study.record.COSTS`), never

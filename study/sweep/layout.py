@@ -2,7 +2,7 @@
 
     results/<sweep>/storage.json     the storage this sweep's queue lives in (`storage.identity`, and the URL
                                      redacted), written once: a command naming another storage is refused
-    results/<sweep>/spec.yaml        the spec as written
+    results/<sweep>/spec.yaml        the spec as written, and the `--set` overrides it ran with (as comments)
     results/<sweep>/plan.json        every point with its complete config and content hash, the objective and the
                                      task families' metric declarations
     results/<sweep>/points/*.yaml    the config each trial process reads

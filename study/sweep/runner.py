@@ -11,6 +11,7 @@ once the sweep is complete. Other machines join by running the same command with
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -73,13 +74,23 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     check_storage(layout, url)
     open_storage(url)
     record_storage(layout, url)
-    atomic_write_text(layout.sweep_dir / "spec.yaml", Path(spec_path).read_text())
+    atomic_write_text(layout.sweep_dir / "spec.yaml", spec_as_run(spec_path, overrides))
     data = plan.to_dict()
     data["storage"] = redact(url)
     for p in plan.points:
         atomic_write_text(layout.point_config(p.point), p.config.to_yaml())
     atomic_write_json(layout.plan_path, data)
     return plan, layout, url
+
+
+def spec_as_run(spec_path: str | Path, overrides: dict[str, Any] | None) -> str:
+    """The spec file's text, and the command line's `--set` overrides after it (plan.json's `spec` holds them
+    applied): a report that quotes spec.yaml shows what ran, not what the file alone says."""
+    text = Path(spec_path).read_text()
+    if not overrides:
+        return text
+    lines = [f"#   {k}={json.dumps(v)}" for k, v in overrides.items()]
+    return text.rstrip("\n") + "\n\n# run with `--set`, applied on top of the spec above:\n" + "\n".join(lines) + "\n"
 
 
 def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None] = print,
