@@ -365,3 +365,29 @@ def test_a_storage_error_that_is_not_an_outage_is_raised_at_once():
         storage = retrying(_failing_once(_internal_error(error)), 30.0, "postgresql://db/sweeps")
         with pytest.raises(optuna.exceptions.StorageInternalError):
             storage.get_all_studies()
+
+
+def test_invocations_ending_at_once_each_keep_their_entry(tmp_path):
+    """Hosts sharing a results folder append to invocations.json under a lock: a read-modify-write without one
+    drops the entry of whichever wrote first."""
+    import multiprocessing
+
+    from study.sweep.layout import SweepLayout
+
+    layout = SweepLayout(tmp_path / "s")
+    layout.sweep_dir.mkdir(parents=True)
+    procs = [multiprocessing.get_context("fork").Process(target=_append_invocations, args=(layout, 25))
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert len(read_json(layout.sweep_dir / "invocations.json")) == 100
+
+
+def _append_invocations(layout, n: int) -> None:
+    from study.sweep.runner import _record_invocation
+
+    for _ in range(n):
+        _record_invocation(layout, 0.0, 1, 1, {"done": 0})

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from study.interrupts import Terminated, shielded
-from study.io import atomic_write_json, atomic_write_text, read_json
+from study.io import atomic_write_json, atomic_write_text, exclusive_lock, read_json
 from study.sweep import plan as planning
 from study.sweep.estimate import default_threads, estimate
 from study.sweep.storage import (DEFAULT_RETRY_S, StorageError, default_url, open_storage, redact, retrying_at_most,
@@ -178,11 +178,12 @@ def _record_invocation(layout: SweepLayout, started: float, workers: int, thread
     import socket
 
     path = layout.sweep_dir / "invocations.json"
-    history = read_json(path) if path.is_file() else []
-    history.append({"host": socket.gethostname(), "started": started, "ended": time.time(),
-                    "wall_seconds": time.time() - started, "workers": workers, "threads": threads,
-                    "counts_after": counts, **({"interrupted": True} if interrupted else {})})
-    atomic_write_json(path, history)
+    entry = {"host": socket.gethostname(), "started": started, "ended": time.time(),
+             "wall_seconds": time.time() - started, "workers": workers, "threads": threads,
+             "counts_after": counts, **({"interrupted": True} if interrupted else {})}
+    with exclusive_lock(path.parent / f".{path.name}.lock"):  # two invocations ending at once each keep their entry
+        history = read_json(path) if path.is_file() else []
+        atomic_write_json(path, [*history, entry])
 
 
 def run_worker_processes(layout: SweepLayout, url: str, workers: int, opts: WorkerOptions,
