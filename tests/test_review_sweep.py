@@ -7,6 +7,7 @@ in-process, which write a finished run record."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -355,10 +356,23 @@ def test_a_worker_process_that_stops_on_an_error_is_named_with_its_exit_code(tmp
 
 def test_a_stale_heartbeat_from_another_host_names_clock_skew_as_a_cause():
     """A heartbeat's age compares two hosts' clocks: the reason a trial is reaped says so when its worker is elsewhere."""
-    import socket
-
-    from study.sweep.queue import _stale_reason
+    from study.sweep.queue import _host, _stale_reason
 
     elsewhere = _stale_reason(75.2, "gpu-node-7:4242")
     assert elsewhere.startswith("no heartbeat for 75 s") and "gpu-node-7" in elsewhere and "clock" in elsewhere
-    assert _stale_reason(75.2, f"{socket.gethostname()}:4242") == "no heartbeat for 75 s"
+    assert _stale_reason(75.2, f"{_host()}:4242") == "no heartbeat for 75 s"
+
+
+@pytest.mark.skipif(not Path("/proc/self/ns/pid").exists(), reason="no PID namespaces here")
+def test_a_worker_is_judged_gone_by_its_pid_only_in_this_process_s_pid_namespace():
+    """Containers on one machine may share a hostname but not their PIDs: a worker of another namespace whose pid
+    is free here runs on, and only its heartbeat's age may reap its trials."""
+    import socket
+
+    from study.sweep.queue import _gone_from_this_host, _host
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert _gone_from_this_host(f"{_host()}:{gone.pid}")
+    assert not _gone_from_this_host(f"{socket.gethostname()}:{gone.pid}")  # the same hostname, another namespace
+    assert TrialQueue(optuna.storages.InMemoryStorage(), "s").worker == f"{_host()}:{os.getpid()}"

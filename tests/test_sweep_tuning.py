@@ -8,7 +8,6 @@ The queue, the processes and the files are real; training is scripted (`sweep_fa
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from study.sweep import tuning
 from study.sweep import worker
 from study.sweep.layout import SweepLayout, all_keys, trial_specs
 from study.sweep.plan import check
-from study.sweep.queue import TrialQueue
+from study.sweep.queue import TrialQueue, _host
 from study.sweep.results import build_table, tuning_table
 from study.sweep.runner import prepare
 from study.sweep.storage import open_storage
@@ -501,7 +500,7 @@ def test_a_tuning_trial_whose_worker_stopped_is_retried_at_the_setting_it_drew(t
         assert first.state.name == "RUNNING"
         gone = subprocess.Popen(["true"])
         gone.wait()
-        queue.storage.set_trial_user_attr(first._trial_id, "worker", f"{socket.gethostname()}:{gone.pid}")
+        queue.storage.set_trial_user_attr(first._trial_id, "worker", f"{_host()}:{gone.pid}")
     monkeypatch.setattr(worker, "_interrupted", interrupted)
     final = run_sweep(path, opts(tmp_path), say=quiet)
     assert final["done"] == 3

@@ -25,12 +25,14 @@ the study of each sweep, TPE for tuning mode.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import optuna
@@ -114,8 +116,17 @@ class Claimed:
     retry_of: int | None = None  # the trial number of the attempt this one retries
 
 
+@functools.lru_cache(maxsize=None)
 def _host() -> str:
-    return socket.gethostname()
+    """This host as a worker id names it: its hostname, boot and PID namespace. Containers on one machine may share
+    a hostname (`--network host`) but not their PIDs: a pid is only checked (`_gone_from_this_host`) where the
+    namespace is this process's own, elsewhere the heartbeat's grace decides."""
+    name = socket.gethostname()
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+        return f"{name}/{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # no /proc (macOS): one namespace per host
+        return name
 
 
 def _pid_alive(pid: int) -> bool:
