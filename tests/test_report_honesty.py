@@ -336,3 +336,16 @@ def test_a_stage_metric_is_marked_where_tuning_chose_its_defining_field_per_vari
         "task.mlm_probability": ["0.15", "0.2"]}
     assert r.defined_differently("metric.pretrain.valid_mlm_loss", "glue", both) == {
         "task.mlm_probability": ["0.15", "0.2"], "model.nsp": ["false", "true"]}
+
+
+def test_a_point_skipped_as_another_points_config_is_named_beside_the_axes(tmp_path):
+    """`n_kv_heads: [null, 4]` at four heads: the value 4 builds the baseline's model and never runs as itself,
+    though the axis table lists it; the Sweep section says so."""
+    root = _sweep(tmp_path)
+    plan = json.loads((root / "plan.json").read_text())
+    plan["duplicates"] = [["attention=mha-named", "baseline"]]
+    (root / "plan.json").write_text(json.dumps(plan))
+    md = build_report(root, tmp_path / "out", kinds=()).markdown.read_text()
+    assert ("**1 point(s) of the design were not run**: each builds the same config as another point, whose trials "
+            "stand for both: attention=mha-named (as baseline).") in _section(md, "## Sweep")
+    assert "were not run" not in build_report(_sweep(tmp_path / "b"), tmp_path / "out-b", kinds=()).markdown.read_text()

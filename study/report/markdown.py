@@ -278,6 +278,10 @@ def _sweep_section(doc: Doc, results: SweepResults) -> None:
                   [[a, ", ".join(v), ", ".join(f"`{f}`" for f in fields.get(a, [])) or "–"]
                    for a, v in results.axes.items()], align="lll")
         doc.p("Each trial's axis values are read from its resolved config.yaml (what ran), not from the spec.")
+    duplicates = results.plan.get("duplicates") or []
+    if duplicates:  # an axis value listed above whose points all built another point's config never ran as itself
+        doc.note(f"**{len(duplicates)} point(s) of the design were not run**: each builds the same config as another "
+                 "point, whose trials stand for both: " + ", ".join(f"{a} (as {b})" for a, b in duplicates) + ".")
     off = off_plan(results)
     if len(off):
         doc.note(f"**{len(off)} trial(s) did not run as planned**: their resolved config differs from the spec "
