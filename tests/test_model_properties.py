@@ -212,6 +212,17 @@ def test_untied_embeddings_are_separate_parameters():
     assert untied.num_parameters() == tied.num_parameters() + V * 32
 
 
+@pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder-decoder"])
+def test_a_model_without_biases_has_none_anywhere_not_even_in_its_heads(arch):
+    """bias: false is the model without biases (PaLM's): BERT's pooler, MLM transform, vocabulary projection and NSP
+    head lose theirs too, or the swept value would reach only part of the model."""
+    extra = {"objective": "mlm", "nsp": True, "type_vocab_size": 2} if arch == "encoder" else {}
+    model = build_model(tiny(arch=arch, bias=False, norm="rmsnorm", **extra))
+    assert [n for n, _ in model.named_parameters() if n.endswith("bias")] == []
+    with_bias = build_model(tiny(arch=arch, **extra))
+    assert any(n.endswith("bias") for n, _ in with_bias.named_parameters())
+
+
 def test_learned_positions_refuse_longer_sequences_with_a_clear_error():
     model = build_model(tiny(position="learned", max_seq_len=8)).eval()
     with pytest.raises(ValueError, match="max_seq_len=8"):

@@ -56,11 +56,11 @@ def parameter_count(cfg: ModelConfig) -> int:
         n += 0 if cfg.tie_embeddings else v * d  # separate target embedding
         n += _stack_params(cfg, cfg.resolved_encoder_layers, cross=False)
         return n + _stack_params(cfg, cfg.n_layers, cross=True) + untied_output
-    # encoder: pooler, MLM head (dense + norm + output bias), optional NSP
+    # encoder: pooler, MLM head (dense + norm + output bias), optional NSP; biases where cfg.bias
     n += _stack_params(cfg, cfg.n_layers, cross=False)
-    n += _linear(d, d, True) + _linear(d, d, True) + _norm_params(cfg) + v + untied_output
+    n += 2 * _linear(d, d, cfg.bias) + _norm_params(cfg) + (v if cfg.bias else 0) + untied_output
     if cfg.nsp:
-        n += _linear(d, 2, True)
+        n += _linear(d, 2, cfg.bias)
     return n
 
 

@@ -237,14 +237,15 @@ class DecoderLM(TransformerBase):
 
 
 class MLMHead(nn.Module):
-    """BERT's masked-LM head: dense + activation + norm, then the (tied) vocabulary projection with a bias."""
+    """BERT's masked-LM head: dense + activation + norm, then the (tied) vocabulary projection with a bias (each
+    bias only where `cfg.bias`: a model without biases has none in its heads either)."""
 
     def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding):
         super().__init__()
-        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.activation = ACTIVATIONS[cfg.activation].fn
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
-        self.decoder = LMHead(cfg, token_embedding, bias=True)
+        self.decoder = LMHead(cfg, token_embedding, bias=cfg.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.norm(self.activation(self.dense(h))))
@@ -259,9 +260,9 @@ class EncoderModel(TransformerBase):
         self.config = cfg
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.encoder = Stack(cfg, cfg.n_layers, causal=False, cross=False, token_embedding=self.token_embedding)
-        self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
+        self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.mlm_head = MLMHead(cfg, self.token_embedding)
-        self.nsp_head = nn.Linear(cfg.d_model, 2) if cfg.nsp else None
+        self.nsp_head = nn.Linear(cfg.d_model, 2, bias=cfg.bias) if cfg.nsp else None
         self._init_weights()
 
     def forward(
