@@ -356,8 +356,11 @@ def test_report_statistics_match_the_table(report, partial_sweep):
     b = done.query("label == 'baseline'").set_index("seed")["metric.valid_loss"]
     v = done.query("label == 'position=alibi'").set_index("seed")["metric.valid_loss"]
     diffs = (v - b).dropna()
-    row = paired.set_index("label").loc["position=alibi"]
+    row = paired[paired["metric"] == "valid_loss"].set_index("label").loc["position=alibi"]
     assert row["diff"] == pytest.approx(diffs.mean())
+    # every table of Holm's family is in the file, so its adjustment can be checked from it
+    assert set(paired["metric"]) == {"valid_loss", "valid_ppl_at_2x"}
+    assert paired["p_value"].notna().sum() == paired["holm_family"].iloc[0]
     half = T975[len(diffs)] * diffs.std(ddof=1) / math.sqrt(len(diffs))
     assert (row["ci_lo"], row["ci_hi"]) == (pytest.approx(diffs.mean() - half), pytest.approx(diffs.mean() + half))
 

@@ -668,8 +668,11 @@ def write_summary_tables(results: SweepResults, out: Path) -> list[Path]:
         summary = summarize(done, mcol, order=labels, extra=extra).rename(columns={"n_rows": "n_completed"})
         summary.insert(2, "n_planned", [planned.get(label, 0) for label in summary["label"]])
         summaries.append(summary.assign(task=task, metric=metric, scale=scale, direction=direction))
-        paireds += [t.table.assign(holm_family=family_size(family), task=task, metric=metric, scale=scale,
-                                   direction=direction) for t in family if t.task == task and t.column == mcol]
+        # every table of Holm's family (the objective's, and perplexity at twice the length's): its adjustment can
+        # be checked from the file
+        paireds += [t.table.assign(holm_family=family_size(family), task=task, metric=t.name,
+                                   scale=results.declared(t.name, task).scale, direction=t.direction)
+                    for t in family if t.task == task]
     paths = []
     for name, frames in (("summary.csv", summaries), ("paired.csv", paireds)):
         if frames:
