@@ -244,3 +244,20 @@ def test_constant_data_get_a_sensible_range_not_a_float_noise_axis(value):
     assert ax.yaxis.get_offset_text().get_text() == ""
     labels_drawn = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
     assert len(set(labels_drawn)) == len(labels_drawn) > 2 and not any("e" in t for t in labels_drawn)
+
+
+def test_a_grid_curves_figure_of_more_variants_than_it_draws_says_which_it_draws(tmp_path):
+    """A grid's curves figure draws the first 12 variants (more lines than its palette tells apart): its heading
+    says so, instead of calling 12 of 16 'all'."""
+    from study.report.figures import make_figures
+
+    axes = {"norm_position": ["pre", "post"], "position": ["rope", "alibi", "learned", "sinusoidal"],
+            "norm": ["rmsnorm", "layernorm"]}
+    root = make_synthetic_sweep(tmp_path / "grid", design="grid", axes=axes, partial=False, problems=False)
+    figures = make_figures(load_results(root), tmp_path / "out", formats=("png",), kinds=("curves",))
+    (curves,) = [f for f in figures if f.kind == "curves"]
+    assert curves.title.endswith("training and validation curves, the first 12 of 16 variants"), curves.title
+    small = make_synthetic_sweep(tmp_path / "small", design="grid", partial=False, problems=False)
+    (curves,) = [f for f in make_figures(load_results(small), tmp_path / "out2", formats=("png",), kinds=("curves",))
+                 if f.kind == "curves"]
+    assert curves.title.endswith("training and validation curves, all")

@@ -633,6 +633,7 @@ def save_figure(fig: Figure, directory: Path, name: str, formats=("png", "svg"))
 
 
 KINDS = ("paired", "metric", "curves", "cost", "extrapolation", "grad_norms", "heatmap")
+MAX_CURVES = 12  # variants one grid curves figure draws: more lines than its palette tells apart
 
 
 @dataclass
@@ -693,7 +694,9 @@ class _TaskFigures:
         curves its own task declares, e.g. pretraining's MLM loss); the last stage of a suite (GLUE) has one curve
         per task and seed, none comparable across tasks, and is not drawn."""
         groups = ({a: [lbl for _, lbl in v] for a, v in self.one_factor.items()} if self.results.design == "ofat"
-                  else {"all": self.labels[:12]})
+                  else {"all": self.labels[:MAX_CURVES]})
+        shown = {"all": f"the first {MAX_CURVES} of {len(self.labels)} variants"} if len(self.labels) > MAX_CURVES \
+            else {}  # more lines than a palette tells apart: the heading says which are drawn
         stages = [(s, self.results.stage_tasks.get(s)) for s in self.results.stages[:-1]] or [(None, self.task)]
         for stage, task in stages:
             if task is None:
@@ -701,9 +704,10 @@ class _TaskFigures:
             where = f"{stage} stage " if stage else ""
             for axis, group in groups.items():
                 fig = plot_curves(self.results, self.rows, group, self.palette,
-                                  f"{self.head}: {where}training curves, {axis}", task=task, stage=stage)
+                                  f"{self.head}: {where}training curves, {shown.get(axis, axis)}", task=task,
+                                  stage=stage)
                 name = f"{self.prefix}{stage + '-' if stage else ''}curves-{axis}"
-                title = f"{where}training and validation curves, {axis}"
+                title = f"{where}training and validation curves, {shown.get(axis, axis)}"
                 if fig._study_series:
                     self.emit(fig, name, title + (f" († not comparable across them: the curves are defined by "
                                                   f"{fig._study_not_comparable})" if fig._study_not_comparable else ""),
