@@ -448,10 +448,13 @@ def test_a_rerun_does_not_retrain_a_failed_tuning_trial_of_a_point_already_settl
     first = run_sweep(path, options, say=quiet)
     entry = tuned_entry(tmp_path)
     assert first["failed"] == 1 and first["done"] == 2 and entry["point"]
-    again = run_sweep(path, options, say=quiet)
+    said: list[str] = []
+    again = run_sweep(path, options, say=said.append)
     assert again == first and tuned_entry(tmp_path) == entry
     queue, _ = queue_for(tmp_path / "results" / "t")
     assert len(queue.trials()) == 3  # two tuning trials and the seed: nothing queued again
+    assert any("is complete: nothing to run" in line for line in said)  # and no workers started for nothing
+    assert not any(line.startswith("running with") for line in said)
 
 
 def test_a_point_is_not_settled_while_a_failed_tuning_trials_retry_is_being_queued(tmp_path, monkeypatch):

@@ -118,7 +118,8 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
         f"{counts['queued']} queued ({added['enqueued']} newly queued, {added['recorded']} found finished on disk)")
     workers = opts.workers or plan.spec.workers
     threads = opts.threads or default_threads(workers)
-    if counts["done"] == len(keys):
+    to_finish = _left_to_finish(plan_data, layout, keys)
+    if queue.counts(to_finish)["done"] == len(to_finish):
         say(f"sweep {plan.spec.name!r} is complete: nothing to run")
     else:
         say(f"running with {workers} worker(s) x {threads} thread(s)")
@@ -130,6 +131,15 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     say(f"{final['done']}/{len(keys)} trials done; {final['failed']} failed"
         + (f"; see {layout.sweep_dir / 'results.csv'}" if len(df) else ""))
     return final
+
+
+def _left_to_finish(plan_data: dict[str, Any], layout: SweepLayout, keys: list[str]) -> list[str]:
+    """The keys a complete sweep has done: all but the failed tuning trials of a point whose setting is chosen,
+    which are never run again (tuning.retryable). Read after settling, which may have chosen a setting just now."""
+    tuned = read_tuned(layout)
+    now = trial_specs(plan_data, tuned)
+    settled = {s.key for s in now if s.kind == "tune"} - {s.key for s in retryable(now, plan_data, tuned)}
+    return [k for k in keys if k not in settled]
 
 
 def _run_workers(queue, layout: SweepLayout, url: str, plan_data: dict[str, Any], opts: SweepOptions, workers: int,
