@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from study.axes import POSITIONS as POSITION_REGISTRY
-from study.axes.position import RotaryPosition, alibi_slopes, apply_rotary
+from study.axes.position import LearnedPosition, RotaryPosition, alibi_slopes, apply_rotary
 from study.config import ConfigError, ModelConfig, axis_choices
 from study.model import KVCache, build_model
 from study.model.attention import attention_bias
@@ -270,6 +270,16 @@ def test_embed_scale_initialises_every_token_embedding_at_unit_scaled_variance()
                              tie_embeddings=False, vocab_size=2000))
     for stack in (model.encoder, model.decoder):
         assert abs(stack.token_embedding.weight.std().item() * 64**0.5 - 1) < 0.05
+
+
+@pytest.mark.parametrize("embed_scale", [True, False])
+def test_a_learned_position_table_starts_at_the_reference_scale_beside_the_tokens(embed_scale):
+    """Beside sqrt(d)-scaled tokens (embed_scale) a learned table starts at std d^-1/2, as fairseq's does, not at
+    init_std: a learned-vs-sinusoidal ablation from the vaswani preset would otherwise start the learned table
+    sqrt(d)/50 times weaker than the reference. Without embed_scale it starts at init_std, as GPT-2's."""
+    model = build_model(tiny(d_model=256, position="learned", embed_scale=embed_scale, max_seq_len=512))
+    (table,) = [m.table for m in model.modules() if isinstance(m, LearnedPosition)]
+    assert table.weight.std().item() == pytest.approx(256**-0.5 if embed_scale else 0.02, rel=0.05)
 
 
 @pytest.mark.parametrize("embed_scale", [True, False])

@@ -58,6 +58,11 @@ class PositionScheme(nn.Module, abc.ABC):
         """The longest sequence the scheme can address (a position table's size), or None when unbounded."""
         return None
 
+    def init_beside_scaled_tokens(self, d_model: int) -> None:
+        """Initialise what this scheme adds to the token embeddings for a model whose tokens `embed_scale` brings to
+        unit scale (the model calls it after its own init); a scheme that adds nothing, or adds sinusoids already at
+        that scale, does nothing."""
+
     def check_length(self, end: int) -> None:
         """Refuse positions 0..end-1 when the scheme cannot address them (a position table of max_seq_len rows)."""
         if self.limit is not None and end > self.limit:
@@ -108,6 +113,11 @@ class LearnedPosition(PositionScheme):
         # (the stack checks the positions against max_positions before this lookup, from Python ints: reading the
         # last position here would make every forward wait for the device)
         return self.table(positions)
+
+    def init_beside_scaled_tokens(self, d_model: int) -> None:
+        # std d^-1/2, as fairseq's Transformer initialises learned positions beside its sqrt(d)-scaled tokens
+        # (fairseq/modules/positional_embedding.py): init_std (0.02) would start them sqrt(d)/50 times weaker
+        nn.init.normal_(self.table.weight, 0.0, d_model**-0.5)
 
 
 def sinusoid_table(positions: torch.Tensor, dim: int, base: float = 10000.0) -> torch.Tensor:

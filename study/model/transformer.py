@@ -172,7 +172,7 @@ class TransformerBase(nn.Module):
         """Normal(0, init_std) for matrices and embeddings, zero biases; residual output
         projections scaled by 1/sqrt(2 * layers) (Radford et al. 2019, GPT-2). With
         embed_scale, token embeddings start at std d^-1/2 so the scaled sum has unit
-        variance (Vaswani et al. 2017)."""
+        variance (Vaswani et al. 2017), and a learned position table at that std too (fairseq's)."""
         cfg = self.config
         n_residual = 2 * (cfg.n_layers + (cfg.resolved_encoder_layers if cfg.arch == "encoder-decoder" else 0))
         for name, module in self.named_modules():
@@ -189,6 +189,7 @@ class TransformerBase(nn.Module):
             for module in self.modules():
                 if isinstance(module, Stack):
                     nn.init.normal_(module.token_embedding.weight, 0.0, cfg.d_model**-0.5)
+                    module.position.init_beside_scaled_tokens(cfg.d_model)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}  # tied weights count once
