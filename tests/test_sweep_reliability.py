@@ -391,3 +391,41 @@ def _append_invocations(layout, n: int) -> None:
 
     for _ in range(n):
         _record_invocation(layout, 0.0, 1, 1, {"done": 0})
+
+
+def test_a_completion_whose_reply_was_lost_is_not_mistaken_for_another_workers():
+    """The storage committed the COMPLETE but the connection dropped before its reply: the retried call finds the
+    trial complete. That is this worker's own update (its worker, its value), not a trial taken back by another."""
+    import optuna
+    from sqlalchemy.exc import OperationalError
+
+    from study.sweep.queue import TrialQueue, TrialSpec
+    from study.sweep.storage import retrying
+
+    class ReplyLostOnce:
+        def __init__(self, inner):
+            self.inner, self.lost = inner, False
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def set_trial_state_values(self, trial_id, state, values=None):
+            done = self.inner.set_trial_state_values(trial_id, state=state, values=values)
+            if state == optuna.trial.TrialState.COMPLETE and not self.lost:
+                self.lost = True
+                raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection unexpectedly"))
+            return done
+
+    storage = retrying(ReplyLostOnce(optuna.storages.InMemoryStorage()), 30.0, "postgresql://db/sweeps")
+    queue = TrialQueue(storage, "s")
+    queue.sync([TrialSpec(key="p-s0", point="p", seed=0, label="baseline")])
+    claimed = queue.claim({"p-s0"})
+    queue.finish(claimed, "completed", 1.5, {})  # raised UpdateFinishedTrialError before
+    (t,) = queue.trials()
+    assert (t.state.name, t.values) == ("COMPLETE", [1.5])
+    other = TrialQueue(storage, "s")
+    other.sync([TrialSpec(key="p-s1", point="p", seed=1, label="baseline")])
+    mine = other.claim({"p-s0", "p-s1"})
+    other.storage.set_trial_state_values(mine.trial_id, state=optuna.trial.TrialState.FAIL)  # reaped meanwhile
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        other.finish(mine, "completed", 1.0, {})

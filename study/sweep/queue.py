@@ -460,8 +460,16 @@ class TrialQueue:
     def _end(self, claimed: Claimed, state: TrialState, value: float | None = None) -> None:
         """The storage's atomic RUNNING -> `state` update. Not `study.tell`: when another worker reaped the trial a
         moment earlier, tell raises a ValueError ('Cannot tell a FAIL trial') that cannot be told from a wrong
-        value, while the storage raises UpdateFinishedTrialError, the one signal every caller handles."""
-        self.storage.set_trial_state_values(claimed.trial_id, state=state, values=None if value is None else [value])
+        value, while the storage raises UpdateFinishedTrialError, the one signal every caller handles. A retried
+        call (study.sweep.storage.retrying) whose first try landed but lost its reply finds the trial already in
+        `state`, this worker's, with this value: that is this call's own update, not another worker's."""
+        values = None if value is None else [value]
+        try:
+            self.storage.set_trial_state_values(claimed.trial_id, state=state, values=values)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            t = self.storage.get_trial(claimed.trial_id)
+            if not (t.state == state and t.user_attrs.get("worker") == self.worker and t.values == values):
+                raise
 
     def release(self, claimed: Claimed, reason: str) -> None:
         """Give a claimed trial back (this worker is stopping): fail it and re-queue it."""
