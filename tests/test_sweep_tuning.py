@@ -215,6 +215,21 @@ def test_a_worker_killed_as_tuning_trials_end_costs_the_point_nothing(tmp_path, 
     assert all(t["status"] == "completed" and "recovered" in t for t in entry["trials"])
 
 
+def test_a_worker_about_to_exit_settles_a_point_whose_tuning_just_ended_and_runs_its_seeds(tmp_path, monkeypatch):
+    """Between the queue's record of a point's last tuning trial and its worker settling the point, the queue holds
+    nothing to run: a worker that looked then would exit, leaving the point's seeds to fewer workers. Here the
+    settling after each tuning trial never happens; the worker settles the point itself before it would exit."""
+    def recorded_but_not_settled(queue, layout, plan, point, record):
+        with queue.lock():
+            tuned = tuning.read_tuned(layout)
+            tuning.entry_for(tuned, point, plan)["trials"].append(record)
+            tuning.atomic_write_json(layout.tuned_path, tuned)
+
+    monkeypatch.setattr(tuning, "record_tuning_trial", recorded_but_not_settled)
+    final = run_sweep(write_spec(tmp_path, tune=LR, **ONE_POINT), opts(tmp_path), say=quiet)
+    assert final["done"] == 3 and tuned_entry(tmp_path)["point"]  # two tuning trials, then the seed, in one run
+
+
 def two_finished_tuning_trials(study) -> None:
     """Two tuning trials with their validation curves: the median a pruned trial's curve is held against."""
     for curve in ([2.0, 1.8], [2.1, 1.9]):

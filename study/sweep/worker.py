@@ -471,13 +471,17 @@ def _drain(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions, plan: di
             tuning.settle_points(queue, layout, plan, sorted(given_up))
         claimed = queue.claim(keys)
         if claimed is None:
-            specs = trial_specs(plan, read_tuned(layout))
-            counts = queue.counts([s.key for s in specs])
-            if counts["running"] or counts["queued"]:
+            if _work_ahead(queue, layout, plan):
                 time.sleep(opts.poll_s)
                 continue
-            if queue.sync(specs, retry_failed=False)["enqueued"]:  # keys dropped in a duplicate race
-                continue
+            with queue.lock():
+                # a point whose last tuning trial ended a moment ago is settled by its worker (its seeds queued) next:
+                # settling here (once, under the lock, whoever comes first) keeps this worker for those seeds
+                if plan.get("tune"):
+                    tuning.settle_tuning_locked(queue, layout, plan, [p["point"] for p in plan["points"]])
+                if _work_ahead(queue, layout, plan) or \
+                        queue.sync_locked(trial_specs(plan, read_tuned(layout)), retry_failed=False)["enqueued"]:
+                    continue  # (sync: keys dropped in a duplicate race)
             break
         started = time.time()
         outcome = run_trial(queue, layout, claimed, plan, opts, launcher)
@@ -490,6 +494,13 @@ def _drain(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions, plan: di
             summary.failed.append(claimed.spec.key)
         elif outcome == "lost":
             summary.lost.append(claimed.spec.key)
+
+
+def _work_ahead(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any]) -> bool:
+    """Whether trials run or wait, with the keys read from tuned.json as it is now (a tuned point's seeds join them
+    once the point is settled)."""
+    counts = queue.counts([s.key for s in trial_specs(plan, read_tuned(layout))])
+    return bool(counts["running"] or counts["queued"])
 
 
 def _progress_text(counts: dict[str, int], seconds: list[float], workers: int) -> str:
