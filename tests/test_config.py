@@ -292,3 +292,11 @@ def test_a_window_that_spans_every_sequence_the_task_runs_is_refused_naming_mode
     with pytest.raises(ConfigError, match=rf"model\.window: {window} spans every sequence .*at most {longest} tokens"):
         ExperimentConfig.from_dict({"model": model, "task": task})
     ExperimentConfig.from_dict({"model": {**model, "window": longest - 1}, "task": task})  # one shorter bites
+
+
+def test_an_unknown_arch_is_one_error_not_also_one_about_the_objective_it_would_decide():
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(arch="decoder-only")
+    assert err.value.problems == ["arch: 'decoder-only' is not one of ['decoder', 'encoder', 'encoder-decoder']"]
+    with pytest.raises(ConfigError, match="objective: 'xx' is not one of"):
+        ModelConfig(arch="decoder", objective="xx")

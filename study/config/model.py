@@ -133,8 +133,9 @@ class ModelConfig(Config):
         self._validate_objective(p)
 
     def _validate_values(self, p: Problems) -> None:
-        for name, choices in (("arch", ARCHS), ("objective", OBJECTIVES)):
-            p.choice(name, getattr(self, name), choices)
+        p.choice("arch", self.arch, ARCHS)
+        if self.objective is not None or self.arch in ARCHS:  # unset, it is the arch's: said once, as the arch
+            p.choice("objective", self.objective, OBJECTIVES)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "rel_buckets", "rel_max_distance"):
             p.check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("n_encoder_layers", "n_kv_heads", "head_dim", "d_ff"):
