@@ -64,7 +64,7 @@ def test_the_report_pairs_against_the_planned_baseline_and_lists_the_off_plan_tr
     md = out.markdown.read_text()
     assert "### Paired differences against the baseline (baseline)" in md
     assert f"they are listed under the label of what ran: {OFF_PLAN}." in md
-    paired = pd.read_csv(out.out / "paired.csv").set_index("label")
+    paired = pd.read_csv(out.out / "paired.csv").query("metric == 'valid_loss'").set_index("label")
     assert "baseline" not in paired.index and paired.loc[OFF_PLAN, "n_pairs"] == 0
     assert paired.loc["position=alibi", "n_pairs"] == 2 and paired.loc["position=alibi", "seeds"] == "1,2"
 

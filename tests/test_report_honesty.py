@@ -301,7 +301,7 @@ def test_a_metric_the_variants_define_differently_is_marked_and_never_given_a_ve
     md = out.markdown.read_text()
     assert "valid_loss † (nats/token" in md and "valid_ppl † (perplexity" in md
     assert "**† Not comparable across these variants:** `valid_loss` is defined by `task.vocab_size`" in md
-    paired = pd.read_csv(out.out / "paired.csv").set_index("label")
+    paired = pd.read_csv(out.out / "paired.csv").query("metric == 'valid_loss'").set_index("label")
     assert paired.loc["norm=layernorm", "verdict"] == "not comparable"
     assert paired.loc[["norm=layernorm"], ["diff", "ci_lo", "ci_hi", "p_value", "mde"]].isna().all(axis=None)
     assert "this report makes 0 paired tests" in md
