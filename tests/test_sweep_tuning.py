@@ -531,3 +531,34 @@ def test_a_tuning_trial_whose_worker_stopped_is_retried_at_the_setting_it_drew(t
     assert sorted(t.state.name for t in told) == ["COMPLETE", "COMPLETE", "FAIL"]
     stopped_at, retried_at = told[first.user_attrs["tune_trial"]], told[retry.user_attrs["tune_trial"]]
     assert stopped_at.state.name == "FAIL" and retried_at.params == stopped_at.params
+
+
+def test_a_tuning_worker_imports_the_axis_registries_before_it_claims_a_trial(tmp_path):
+    """A tuning trial's start validates the config of its drawn setting, which imports torch (seconds, more on a
+    loaded machine) while the claimed trial gets no heartbeat: another worker judged it lost (seen in CI). A fresh
+    worker process has imported them before its first claim."""
+    import json
+    import sys as _sys
+
+    (tmp_path / "plan.json").write_text(json.dumps({"sweep": "t", "points": [], "seeds": [0], "tune": {"trials": 1}}))
+    script = f"""
+import contextlib, sys
+from pathlib import Path
+from study.sweep import tuning, worker
+from study.sweep.layout import SweepLayout
+
+class Queue:
+    def reap(self): return []
+    def claim(self, keys):
+        print("axes imported at the first claim:", "study.axes" in sys.modules)
+        return None
+    def counts(self, keys): return {{"running": 0, "queued": 0}}
+    def lock(self): return contextlib.nullcontext()
+    def sync_locked(self, specs, retry_failed): return {{"enqueued": 0}}
+
+tuning.settle_tuning_locked = lambda *a: None
+worker.run_worker(Queue(), SweepLayout(Path({str(tmp_path)!r})), worker.WorkerOptions(launcher="spawn"))
+"""
+    out = subprocess.run([_sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "axes imported at the first claim: True" in out.stdout, out.stderr[-2000:]

@@ -454,6 +454,11 @@ def run_worker(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions) -> W
     summary, launcher = WorkerSummary(), Launcher(opts)
     try:
         launcher.warm()
+        if plan.get("tune"):
+            # a tuning trial writes the config its drawn setting runs, and validating a config imports the axis
+            # registries (torch): seconds, more on a loaded machine, during which the claimed trial gets no
+            # heartbeat and another worker could judge it lost. Imported now, before anything is claimed.
+            import study.axes  # noqa: F401
         _drain(queue, layout, opts, plan, keys, summary, launcher)
     finally:
         launcher.close()
