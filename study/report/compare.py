@@ -115,6 +115,9 @@ def _same_metric_variant(m: Measurement, pub: pd.Series) -> bool:
     return keys[0] == keys[1] and not any("unspecified" in k.split(":") for k in keys)
 
 
+UNNAMED_BLEU = "bleu"  # published.csv's scorer for BLEU whose scorer a paper does not name
+
+
 def _variant_difference(ours: str, theirs: str) -> str:
     """'unknown' where the two metric variants may be the same but one side does not say (`sacrebleu:unspecified`
     beside `sacrebleu:13a:cased`, or both unspecified; published.csv's `bleu:unspecified`, BLEU by a scorer the paper
@@ -126,9 +129,6 @@ def _variant_difference(ours: str, theirs: str) -> str:
     scorers = {k[0] for k in keys}
     unnamed_bleu = any(k == [UNNAMED_BLEU, "unspecified"] for k in keys) and all(s.endswith("bleu") for s in scorers)
     return "unknown" if len(scorers) == 1 or unnamed_bleu else "different"
-
-
-UNNAMED_BLEU = "bleu"  # published.csv's scorer for BLEU whose scorer a paper does not name
 
 
 # Which model a number is of (published.csv's `selection`; empty: not stated). Every record of ours is the model at
