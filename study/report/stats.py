@@ -176,10 +176,11 @@ class PairedDifference:
 
     @property
     def divergence(self) -> str:
-        """'variant diverged on 1 of 4 seeds (the baseline did not)': what the pairs leave out; '' when neither side
-        diverged where the other did not."""
+        """'variant diverged on 1 of 4 seeds (the baseline did not diverge there)': what the pairs leave out; '' when
+        neither side diverged where the other did not. (Not diverging there is all it says: the other side may have
+        completed, failed or not run on that seed.)"""
         parts = [f"{side} diverged on {len(seeds)} of {finished} seed{'s' if finished != 1 else ''} (the {other} "
-                 "did not)" for side, other, seeds, finished in
+                 "did not diverge there)" for side, other, seeds, finished in
                  (("variant", "baseline", self.variant_diverged, self.variant_finished),
                   ("baseline", "variant", self.baseline_diverged, self.baseline_finished)) if seeds]
         return "; ".join(parts)
