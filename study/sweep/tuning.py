@@ -257,6 +257,12 @@ def settle_tuning_locked(queue: TrialQueue, layout: SweepLayout, plan: dict[str,
         atomic_write_json(layout.tuned_path, tuned)
 
 
+def unsettled_points(layout: SweepLayout, plan: dict[str, Any]) -> list[str]:
+    """The points of this plan's tuning whose setting is not chosen yet (tuned.json has no `point` for them)."""
+    tuned = current_tuned(plan, read_tuned(layout))
+    return [p["point"] for p in plan["points"] if not tuned.get(p["point"], {}).get("point")]
+
+
 def _over(trials: list) -> bool:
     """Whether a tuning key has ended: a completed or failed trial, none waiting or running, and no failed attempt
     whose retry its worker has yet to queue."""

@@ -481,9 +481,10 @@ def _drain(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions, plan: di
                 continue
             with queue.lock():
                 # a point whose last tuning trial ended a moment ago is settled by its worker (its seeds queued) next:
-                # settling here (once, under the lock, whoever comes first) keeps this worker for those seeds
+                # settling here (once, under the lock, whoever comes first) keeps this worker for those seeds. Only
+                # a point not settled yet: settling a settled one queues its failed seeds again, for good
                 if plan.get("tune"):
-                    tuning.settle_tuning_locked(queue, layout, plan, [p["point"] for p in plan["points"]])
+                    tuning.settle_tuning_locked(queue, layout, plan, tuning.unsettled_points(layout, plan))
                 if _work_ahead(queue, layout, plan) or \
                         queue.sync_locked(trial_specs(plan, read_tuned(layout)), retry_failed=False)["enqueued"]:
                     continue  # (sync: keys dropped in a duplicate race)
