@@ -63,6 +63,13 @@ class Declaration:
         return "lower" if self.direction == "minimize" else "higher"
 
 
+def ran_off_plan(table: pd.DataFrame) -> pd.Series:
+    """Per row, whether the trial's resolved config differs from the plan on an axis (`ran_as_planned` false,
+    however the table spells it: a bool, or text from a CSV); False where the table has no such column."""
+    ran = table.get("ran_as_planned", pd.Series(True, index=table.index))
+    return ran.map(lambda v: str(v).strip().lower() == "false").astype(bool)
+
+
 def metric_column(metric: str) -> str:
     """'valid_loss' -> 'metric.valid_loss'; names that already carry a prefix are kept."""
     return metric if metric.startswith(("metric.", "cost.")) else f"metric.{metric}"
@@ -263,9 +270,7 @@ class SweepResults:
         """The baseline point's trials that ran as planned (or never ran). One whose resolved config differs from
         the plan keeps is_baseline but is relabelled by what ran (study.sweep.results.trial_row): it is a variant
         of its own, so it must never define the baseline nor be paired as it."""
-        ran = self.table.get("ran_as_planned", pd.Series(True, index=self.table.index))
-        off = ran.map(lambda v: str(v).strip().lower() == "false").astype(bool)
-        return self.table[self.table["is_baseline"].astype(bool) & ~off]
+        return self.table[self.table["is_baseline"].astype(bool) & ~ran_off_plan(self.table)]
 
     def _planned_baseline_label(self) -> str | None:
         """The baseline point's label; plan.json's when none of its trials ran as planned, so that the baseline

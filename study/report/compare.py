@@ -44,6 +44,7 @@ from study.report.collect import (
     metric_column,
     metric_name,
     normalise_value,
+    ran_off_plan,
 )
 from study.report.markdown import Doc, fmt
 from study.report.measure import (  # noqa: F401  (re-exported: the comparison's public names)
@@ -275,10 +276,7 @@ def _cells(results: SweepResults) -> dict[str, dict[str, str]]:
     """label -> {axis: value} of every cell with trials that ran as planned, in variant order; NOT_APPLIED where an
     axis does not apply. A trial relabelled by what ran (`<label> (ran: ...)`) is no cell of the design: where its
     axes equal another cell's it would pair a second time under that cell's values, and join Holm's family."""
-    table = results.table
-    ran = table.get("ran_as_planned", pd.Series(True, index=table.index))
-    planned = table[~ran.map(lambda v: str(v).strip().lower() == "false").astype(bool)]
-    rows = planned.drop_duplicates("label").set_index("label")
+    rows = results.table[~ran_off_plan(results.table)].drop_duplicates("label").set_index("label")
     axes = [a for a in results.axes if f"axis.{a}" in rows]
 
     def value(label: str, axis: str) -> str:

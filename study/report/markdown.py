@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from study.record import COSTS
-from study.report.collect import Declaration, SweepResults, metric_column, metric_name
+from study.report.collect import Declaration, SweepResults, metric_column, metric_name, ran_off_plan
 from study.report.family import NOT_COMPARABLE, PairedTest, family_size, paired_family
 from study.report.figures import FigureInfo
 from study.report.stats import (
@@ -298,10 +298,7 @@ def _sweep_section(doc: Doc, results: SweepResults) -> None:
 
 def off_plan(results: SweepResults) -> pd.DataFrame:
     """The trials whose resolved config differs from the plan on an axis (listed under the label of what ran)."""
-    t = results.table
-    if "ran_as_planned" not in t:
-        return t.iloc[0:0]
-    return t[t["ran_as_planned"].map(lambda v: str(v).strip().lower() == "false").astype(bool)]
+    return results.table[ran_off_plan(results.table)]
 
 
 def _wall_time(doc: Doc, results: SweepResults) -> None:
@@ -374,8 +371,7 @@ def planned_trials(results: SweepResults) -> dict[str, int]:
     if points:
         return {label: points.count(label) * len(results.seeds) for label in points}
     t = results.table
-    ran = t.get("ran_as_planned", pd.Series(True, index=t.index)).map(lambda v: str(v).strip().lower() != "false")
-    return {str(k): int(v) for k, v in t[ran.astype(bool)].groupby("label").size().items()}
+    return {str(k): int(v) for k, v in t[~ran_off_plan(t)].groupby("label").size().items()}
 
 
 def _n_text(r, planned: int) -> str:

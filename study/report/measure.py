@@ -23,7 +23,7 @@ import pandas as pd
 
 from study.io import load_yaml, read_json_or_none
 from study.record import COMPLETED, DIVERGED, flatten_record, record_schema
-from study.report.collect import SweepResults, metric_column
+from study.report.collect import SweepResults, metric_column, ran_off_plan
 from study.report.stats import mean_ci
 
 # -- mapping our metric columns to the published `match` keys ----------------------------------------------------
@@ -351,8 +351,8 @@ def sweep_measurements(results: SweepResults) -> list[Measurement]:
         col = metric_column(metric)
         means = done.groupby("label")[col].mean().dropna() if col in done else pd.Series(dtype=float)
         finished = results.finished(task)
-        ran = finished.get("ran_as_planned", pd.Series(True, index=finished.index)).map(str).str.lower() != "false"
-        means = means.drop(set(finished.loc[(finished["status"] == DIVERGED) | ~ran, "label"]), errors="ignore")
+        means = means.drop(set(finished.loc[(finished["status"] == DIVERGED) | ran_off_plan(finished), "label"]),
+                           errors="ignore")
         picks = [results.baseline_label]
         if len(means):
             best = means.idxmin() if direction == "minimize" else means.idxmax()

@@ -158,31 +158,40 @@ def current_tuned(plan: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]
 def finished_results(layout: "SweepLayout", specs: list[TrialSpec], metric: str) -> dict[str, float | None]:
     """The seed trials of `specs` whose run directory holds a result: key -> objective (None: diverged). A completed
     run without the objective is not one (its trial fails with that reason when it runs), so it is left out."""
-    finished = {}
+    finished, configs = {}, {}  # (each point's config read once, for all its seeds)
     for s in specs:
         if s.kind != "seed":  # a tuning trial's config is sampled when it starts: nothing to find on disk
             continue
-        run = layout.run(s.runs_point or s.point, s.seed)
+        point = s.runs_point or s.point
+        run = layout.run(point, s.seed)
         record = run.finished()
         value = metric_value(record, metric) if record is not None else None
         if record is not None and (value is not None or record["status"] != "completed"):
-            if _of_a_replaced_model(layout.point_config(s.runs_point or s.point), run, record):
+            if point not in configs:
+                configs[point] = _point_config(layout.point_config(point))
+            if _of_a_replaced_model(configs[point], run, record):
                 continue  # queued again: the run layer runs it anew from the model there now
             finished[s.key] = value
     return finished
 
 
-def _of_a_replaced_model(config: Path, run: RunDir, record: dict[str, Any]) -> bool:
+def _point_config(path: Path) -> Any:
+    """The config a point's trials run (None where its file is not there)."""
+    from study.config import load_experiment
+
+    return load_experiment(path) if path.is_file() else None
+
+
+def _of_a_replaced_model(cfg: Any, run: RunDir, record: dict[str, Any]) -> bool:
     """A finished result fine-tuned from a model its start no longer holds (a shared pretraining stage, or the run
     task.init_from names, forced anew since): the run layer would not hand it back (study.run.pipeline.replaced_stage,
     study.run.single.replaced_start), so it is no result of this sweep's either."""
-    from study.config import PipelineConfig, load_experiment
+    from study.config import PipelineConfig
     from study.run.pipeline import replaced_stage
     from study.run.single import replaced_start
 
-    if not config.is_file():
+    if cfg is None:
         return False
-    cfg = load_experiment(config)
     if isinstance(cfg, PipelineConfig):
         return replaced_stage(cfg, run, record) is not None
     return bool(cfg.task.init_from) and replaced_start(run, cfg.task.init_from) is not None
