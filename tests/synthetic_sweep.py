@@ -30,25 +30,28 @@ def _decl(direction: str, scale: str, objective: bool = True, defined_by: tuple[
 
 TOKENS = ("task.dataset", "task.tokenizer", "task.vocab_size", "task.lowercase")
 EVALUATED = (*TOKENS, "task.eval_tokens")
-MASKED_TOKENS = (*TOKENS, "task.mlm_probability")
+AT_LENGTH = (*EVALUATED, "task.seq_len")
+MASKED_TOKENS = (*TOKENS, "task.mlm_probability", "task.seq_len")
+PAIRS = (*TOKENS, "task.seq_len")
+CORRELATION = "0-100 (a correlation: -100 to 100)"
 DECLARED = {
-    "lm": {"valid_loss": _decl("minimize", "nats/token", defined_by=EVALUATED),
-           "valid_ppl": _decl("minimize", "perplexity", defined_by=EVALUATED),
-           "test_loss": _decl("minimize", "nats/token", defined_by=EVALUATED),
-           "test_ppl": _decl("minimize", "perplexity", defined_by=EVALUATED),
+    "lm": {"valid_loss": _decl("minimize", "nats/token", defined_by=AT_LENGTH),
+           "valid_ppl": _decl("minimize", "perplexity", defined_by=AT_LENGTH),
+           "test_loss": _decl("minimize", "nats/token", defined_by=AT_LENGTH),
+           "test_ppl": _decl("minimize", "perplexity", defined_by=AT_LENGTH),
            "*_ppl_by_length.*": _decl("minimize", "perplexity", False, defined_by=EVALUATED),
-           "*_ppl_at_2x": _decl("minimize", "perplexity", defined_by=EVALUATED)},
+           "*_ppl_at_2x": _decl("minimize", "perplexity", defined_by=AT_LENGTH)},
     "pretrain": {"valid_mlm_loss": _decl("minimize", "nats/masked token", defined_by=(*MASKED_TOKENS, "model.nsp")),
                  "valid_mlm_ppl": _decl("minimize", "perplexity", defined_by=(*MASKED_TOKENS, "model.nsp")),
                  "valid_mlm_loss_full_sentences": _decl("minimize", "nats/masked token", defined_by=MASKED_TOKENS),
-                 "valid_nsp_accuracy": _decl("maximize", "fraction (0-1)"),
-                 "valid_nsp_loss": _decl("minimize", "nats/pair"),
+                 "valid_nsp_accuracy": _decl("maximize", "fraction (0-1)", defined_by=PAIRS),
+                 "valid_nsp_loss": _decl("minimize", "nats/pair", defined_by=PAIRS),
                  "valid_masked_tokens": _decl("maximize", "count", False),
                  "valid_nsp_pairs": _decl("maximize", "count", False)},
     "glue": {"glue_score": _decl("maximize", "0-100", defined_by=("task.glue_tasks",)),
              "*_std": _decl("minimize", "0-100 (sample sd over fine-tuning seeds)", False),
              "*/score": _decl("maximize", "0-100"),
-             **{f"*/{m}": _decl("maximize", "0-100")
+             **{f"*/{m}": _decl("maximize", CORRELATION if m in ("mcc", "pearson", "spearman") else "0-100")
                 for m in ("accuracy", "f1", "mcc", "pearson", "spearman", "accuracy_m", "accuracy_mm")}},
 }
 DEFAULT_OBJECTIVE = {"lm": "valid_loss", "pretrain": "valid_mlm_loss", "glue": "glue_score"}

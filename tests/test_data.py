@@ -200,8 +200,19 @@ def test_wikitext_local_splits_documents_fingerprint(root):
 
 def test_split_wikitext_documents_edge_cases():
     assert split_wikitext_documents("") == []
-    text = " = A = \n x \n = B = \n y"
-    assert split_wikitext_documents(text) == [" = A = \n x \n", " = B = \n y"]
+    text = " \n = A = \n \n x \n \n = B = \n \n y"
+    assert split_wikitext_documents(text) == [" \n = A = \n \n x \n \n", " = B = \n \n y"]
+
+
+def test_title_shaped_lines_inside_an_article_do_not_end_it():
+    """WikiText-2's articles hold table legends and formula lines shaped like a title (' = Goals ; A = '); a title
+    stands between blank lines and is not one of a run of such rows, so the article goes on past them."""
+    legend = " = Goals ; A = \n = Assists ; Pts = \n"
+    text = (" \n = A = \n \n x . \n \n = = Stats = = \n \n" + legend + " y . \n \n"
+            " = Points ; GP = \n \n = Games played = \n z . \n \n = B = \n \n w . \n")
+    docs = split_wikitext_documents(text)
+    assert len(docs) == 2 and "".join(docs) == text
+    assert docs[1].startswith(" = B = ") and "y ." in docs[0] and "z ." in docs[0]
 
 
 def test_wikitext_alternative_file_names_and_dataset_folder(tmp_path):

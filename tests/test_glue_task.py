@@ -178,6 +178,26 @@ def test_long_pairs_are_truncated_longest_first(data, tmp_path):
     assert len(ids) == 16 and ids[-1] == SEP
 
 
+def test_the_examples_cut_to_seq_len_are_counted_per_split(data, tmp_path):
+    """BERT cuts a pair longer than its sequence to fit; the record says how many were cut, as translation's
+    truncated_pairs does: a seq_len sweep changes how much text each example shows the model."""
+    from study.tasks.glue.data import encode_and_count
+
+    def prepared(seq_len):
+        dm = GlueDataModule(glue_cfg(dataset="mrpc", seq_len=seq_len), data_dir=data, cache_dir=tmp_path)
+        dm.prepare()
+        return dm
+
+    wide, narrow = prepared(32), prepared(8)
+    for dm, seq_len in ((wide, 32), (narrow, 8)):
+        for split, examples in dm.data.splits.items():
+            cut = sum(encode_and_count(dm.tokenizer, e.text_a, e.text_b, 1000)[0].__len__() > seq_len
+                      for e in examples)
+            assert dm.truncated[split] == cut
+    assert sum(narrow.truncated.values()) > sum(wide.truncated.values())
+    assert sum(narrow.truncated.values()) > 0
+
+
 def test_training_stream_is_length_grouped_covers_each_epoch_and_reshuffles(data, tmp_path):
     def stream(seed=0):
         cfg = glue_cfg(dataset="SST-2")

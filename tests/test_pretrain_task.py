@@ -393,7 +393,7 @@ def test_real_wikitext2_pairs_and_masks(tmp_path):
     cfg = ExperimentConfig.from_dict(d)
     dm = PretrainDataModule(cfg, data_dir=REAL_DATA, cache_dir=tmp_path)
     dm.prepare()
-    assert dm.fingerprint["documents"] == {"train": 629, "valid": 60, "test": 62}
+    assert dm.fingerprint["documents"] == {"train": 600, "valid": 60, "test": 60}  # WikiText-2's articles
     pairs = nsp_pairs(dm.docs["train"], 125, random.Random(0))
     share = sum(p[2] for p in pairs) / len(pairs)
     assert 0.45 < share < 0.55 and all(p[3] != p[4] for p in pairs if p[2] == 1)

@@ -208,6 +208,9 @@ def test_a_sweep_over_window_patterns_skips_those_that_build_the_same_layers(tmp
     ("mt", {"task.seq_len": [128, 32]}, "valid_loss"),  # validation pairs cut shorter: other tokens scored
     ("lm", {"task.eval_tokens": [4096, None]}, "valid_loss"),  # part of the split against all of it
     ("lm", {"task.dataset": ["tinyshakespeare", "wikitext-2"]}, "valid_loss"),  # another corpus
+    ("lm", {"task.seq_len": [32, 64]}, "valid_loss"),  # longer windows: more context per token on average
+    ("pretrain", {"task.seq_len": [64, 128]}, "valid_mlm_loss_full_sentences"),  # other packs, other masks
+    ("pretrain", {"task.seq_len": [64, 128]}, "valid_nsp_accuracy"),  # other sentence pairs
     ("glue", {"task.glue_tasks": [["sst2", "cola"], ["sst2", "rte"]]}, "glue_score"),  # a mean over other tasks
 ])
 def test_an_objective_measured_on_other_text_cannot_rank_the_points(tmp_path, base, axes, metric):
@@ -215,7 +218,7 @@ def test_an_objective_measured_on_other_text_cannot_rank_the_points(tmp_path, ba
     name, another quantity at each point."""
     from test_sweep_refusals import EXPERIMENTS
 
-    bases = {"mt": "multi30k_de_en.yaml", "glue": "glue_finetune.yaml"}
+    bases = {"mt": "multi30k_de_en.yaml", "glue": "glue_finetune.yaml", "pretrain": "wikitext2_bert_pretrain_nsp.yaml"}
     spec = LM if base == "lm" else {"base": str(EXPERIMENTS / bases[base]), "set": {"train.precision": "32-true"}}
     if "task.dataset" in axes:
         spec = {**spec, "set": {"task.tokenizer": "bpe", "task.vocab_size": 2000}}

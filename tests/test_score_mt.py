@@ -33,6 +33,9 @@ def tiny_bart(tmp_path_factory):
                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
                                   decoder_ffn_dim=32, max_position_embeddings=256, pad_token_id=1, bos_token_id=0,
                                   eos_token_id=2, decoder_start_token_id=2, forced_bos_token_id=None)
+    import torch
+
+    torch.manual_seed(0)  # one random model every time: whether it ends sentences early is a property of its weights
     transformers.BartForConditionalGeneration(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -50,6 +53,8 @@ def test_a_local_checkpoint_is_scored_with_sacrebleu_and_its_signature(tiny_bart
     # a random model rarely ends a sentence within 8 tokens: its outputs are stopped there, and counted
     assert result["max_new_tokens"] == 8 and result["outputs_at_max_new_tokens"] >= 5
     assert result["truncated_sources"] == 0
+    # the checkpoint's own generation settings, which generate() applied, are recorded with the score
+    assert result["generation_config"]["decoder_start_token_id"] == 2 and "num_beams" not in result["generation_config"]
 
 
 def test_sources_over_the_tokenizers_limit_are_counted_as_cut(tiny_bart):

@@ -109,6 +109,27 @@ class TaskConfig(Config):
                         f"{', '.join(f'train.{n}' for n in SUITE_TRAIN_FIELDS)}), "
                         f"task.{{{','.join(PER_TASK_FIELDS)}}} or model.{{{','.join(PER_TASK_MODEL_FIELDS)}}}")
 
+    def _validate_glue(self, p: Problems) -> None:
+        """The fields of GLUE fine-tuning (`glue`), each refused where it cannot apply."""
+        bad = [t for t in self.glue_tasks if glue_task_key(t) not in GLUE_DATASETS]
+        p.check(not bad, "glue_tasks", f"unknown GLUE task(s) {bad}; valid: {list(GLUE_DATASETS)} (case and dashes ignored)")
+        p.check(len(set(self.finetune_seeds)) == len(self.finetune_seeds) and all(s >= 0 for s in self.finetune_seeds),
+                "finetune_seeds", f"must be distinct seeds >= 0, got {list(self.finetune_seeds)}")
+        p.check(self.epochs is None or self.epochs > 0, "epochs", f"must be > 0 or null, got {self.epochs}")
+        p.choice("pooling", self.pooling, POOLINGS)
+        self._validate_per_task(p)
+        if self.name != "glue":
+            for name, empty in (("glue_tasks", ()), ("init_from", None), ("finetune_seeds", ()), ("epochs", None),
+                                ("pooling", "cls"), ("per_task", {})):
+                p.check(getattr(self, name) == empty, name, f"only applies to task.name='glue' (got {getattr(self, name)!r})")
+        elif self.dataset != "glue":
+            p.check(not self.glue_tasks, "glue_tasks", f"only applies to dataset='glue' (the suite), not {self.dataset!r}")
+        if self.init_from is not None:
+            p.check(self.init_from.strip() != "", "init_from", "must be a pretrain run directory or null")
+        p.check(self.pretrained_weights or self.init_from is not None, "pretrained_weights",
+                "false only applies with task.init_from (a pretrained run's architecture and tokenizer, random "
+                "weights); without init_from the weights start random either way")
+
     @property
     def arch(self) -> str:
         return TASKS[self.name][0]
@@ -127,6 +148,8 @@ class TaskConfig(Config):
             p.choice("dataset", self.dataset, TASKS[self.name][1])
         p.choice("tokenizer", self.tokenizer, TOKENIZERS)
         p.check(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        # a GLUE pair is [CLS] a [SEP] b [SEP]: three special tokens and at least one of text
+        p.check(self.name != "glue" or self.seq_len >= 4, "seq_len", f"glue needs >= 4, got {self.seq_len}")
         p.check(self.vocab_size is None or self.vocab_size >= 16, "vocab_size", "must be >= 16 or null")
         p.check(len(self.eval_lengths) >= 1 and all(k >= 1 for k in self.eval_lengths), "eval_lengths",
                 f"must be multiples >= 1 of seq_len, got {list(self.eval_lengths)}")
@@ -141,7 +164,9 @@ class TaskConfig(Config):
             self._validate_test_sets(p)
         p.check(self.beam_size >= 1, "beam_size", f"must be >= 1, got {self.beam_size}")
         p.check(self.length_penalty >= 0, "length_penalty", f"must be >= 0, got {self.length_penalty}")
-        p.check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_b", "decode length a*|src|+b needs a >= 0, b >= 1")
+        # decoding stops at max_len_a * |source| + max_len_b tokens
+        p.check(self.max_len_a >= 0, "max_len_a", f"must be >= 0, got {self.max_len_a}")
+        p.check(self.max_len_b >= 1, "max_len_b", f"must be >= 1, got {self.max_len_b}")
         if self.tokenizer in ("bpe", "wordpiece") and not (self.name == "glue" and self.init_from):
             p.check(self.vocab_size is not None, "vocab_size", f"tokenizer={self.tokenizer!r} needs a vocab_size")
         if self.name in ("pretrain", "glue"):
@@ -151,21 +176,7 @@ class TaskConfig(Config):
         p.check(self.nsp_weight > 0, "nsp_weight", f"must be > 0, got {self.nsp_weight}")
         if self.name != "pretrain":
             p.check(self.nsp_weight == 1.0, "nsp_weight", f"only applies to task.name='pretrain' (got {self.nsp_weight})")
-        bad = [t for t in self.glue_tasks if glue_task_key(t) not in GLUE_DATASETS]
-        p.check(not bad, "glue_tasks", f"unknown GLUE task(s) {bad}; valid: {list(GLUE_DATASETS)} (case and dashes ignored)")
-        p.check(len(set(self.finetune_seeds)) == len(self.finetune_seeds) and all(s >= 0 for s in self.finetune_seeds),
-                "finetune_seeds", f"must be distinct seeds >= 0, got {list(self.finetune_seeds)}")
-        p.check(self.epochs is None or self.epochs > 0, "epochs", f"must be > 0 or null, got {self.epochs}")
-        p.choice("pooling", self.pooling, POOLINGS)
-        self._validate_per_task(p)
-        if self.name != "glue":
-            for name, empty in (("glue_tasks", ()), ("init_from", None), ("finetune_seeds", ()), ("epochs", None),
-                                ("pooling", "cls"), ("per_task", {})):
-                p.check(getattr(self, name) == empty, name, f"only applies to task.name='glue' (got {getattr(self, name)!r})")
-        elif self.dataset != "glue":
-            p.check(not self.glue_tasks, "glue_tasks", f"only applies to dataset='glue' (the suite), not {self.dataset!r}")
-        if self.init_from is not None:
-            p.check(self.init_from.strip() != "", "init_from", "must be a pretrain run directory or null")
+        self._validate_glue(p)
         if self.name == "translation":
             # BLEU is computed on detokenized text: the tokenizer must give the text back exactly
             p.check(self.tokenizer in ("bpe", "char"), "tokenizer",

@@ -66,7 +66,7 @@ class _Decoder:
 def _requested_lengths(src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:
     """a * |src| + b per sentence: the length limit the task asks for."""
     src_len = src_mask.sum(1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1], device=src.device)
-    return (a * src_len.float() + b).long()
+    return (a * src_len.double() + b).long()  # in double, as fairseq: float32 rounds 1.3 * 90 + 10 down to 126
 
 
 def _max_lengths(model, src_mask: torch.Tensor | None, src: torch.Tensor, a: float, b: int) -> torch.Tensor:

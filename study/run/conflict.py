@@ -56,8 +56,10 @@ def handed_back(run: RunDir, record: dict[str, Any]) -> dict[str, Any]:
 
 # A fingerprint's keys that say where the data came from (study.tasks.data.sources): a local copy and the hub's
 # name and digest one benchmark differently (another file format), so across sources only what was read is compared.
-_SOURCE_KEYS = {"source", "dataset", "config", "files", "revision", "tokenizer", "unavailable_splits"}
+_SOURCE_KEYS = {"source", "dataset", "config", "files", "revision", "tokenizer", "vocab_sha256", "unavailable_splits"}
 _SPELLING_KEYS = {"init_from"}  # a path, however spelled: the pretrained weights' digest (model_sha256) decides
+# keys a fingerprint has held only since they were added: a data.json written before has none, which says nothing
+_ADDED_KEYS = {"vocab_sha256"}
 
 
 def data_differences(stored: Any, read: Any, where: str = "") -> list[str]:
@@ -65,7 +67,7 @@ def data_differences(stored: Any, read: Any, where: str = "") -> list[str]:
     copies from the same source (local files' digests, hub revisions, the tokenizer trained on them), or, across
     sources, what was read from them (example and token counts, the pretrained weights' digest)."""
     if isinstance(stored, dict) and isinstance(read, dict):
-        skip = set(_SPELLING_KEYS)
+        skip = set(_SPELLING_KEYS) | {k for k in _ADDED_KEYS if k not in stored}
         if "source" in stored and "source" in read and stored["source"] != read["source"]:
             skip |= _SOURCE_KEYS
         return [d for key in sorted(set(stored) | set(read), key=str) if key not in skip
@@ -91,7 +93,11 @@ def refuse_other_data(run: RunDir, read: dict[str, Any]) -> None:
     diffs = data_differences(stored, json.loads(json.dumps(read, default=str)))  # as data.json would hold it
     if diffs:
         more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
-        raise RunDirConflict(f"{run.path} holds a run trained on other data ({'; '.join(diffs[:3])}{more}); "
+        vocab = any(d.startswith("vocab_sha256") for d in diffs)
+        hint = (" (the tokenizer trained now maps tokens to other ids: WordPiece training is not deterministic from "
+                "one process to the next; resume with the cache folder the run started with, STUDY_CACHE_DIR)"
+                if vocab else "")
+        raise RunDirConflict(f"{run.path} holds a run trained on other data ({'; '.join(diffs[:3])}{more}){hint}; "
                              "choose another directory or --force")
 
 

@@ -18,12 +18,18 @@ _UNIFORM = "ln(vocabulary size) nats for a uniform prediction; the unigram entro
 TOKENS = ("task.dataset", "task.tokenizer", "task.vocab_size", "task.lowercase")
 # a language model's evaluation: the tokens above, over the split's first task.eval_tokens tokens where that is set
 EVALUATED_TOKENS = (*TOKENS, "task.eval_tokens")
+# ... in windows of task.seq_len tokens: a longer window predicts each token from more context on average, so a loss
+# at another training length is another quantity (the length curve, keyed by tokens, compares lengths)
+AT_TRAINING_LENGTH = (*EVALUATED_TOKENS, "task.seq_len")
 # a translation metric: which language is translated into which (BLEU on German references is another metric)
 LANGUAGES = ("task.src_lang", "task.tgt_lang")
 # lowercased BLEU and chrF score an easier task than cased ones (sacreBLEU's signature: case:lc)
 CASING = ("task.lowercase",)
 # a masked-token loss also depends on how many tokens are masked (a larger share leaves less context to predict from)
-MASKED_TOKENS = (*TOKENS, "task.mlm_probability")
+# and on task.seq_len, which decides the validation inputs (the segment pairs and full-sentence packs, and so the masks)
+MASKED_TOKENS = (*TOKENS, "task.mlm_probability", "task.seq_len")
+# the validation sentence pairs: segments of up to task.seq_len tokens of the tokenizer's, cut at sentence ends
+SENTENCE_PAIRS = (*TOKENS, "task.seq_len")
 
 
 class LanguageModelling(TaskFamily):
@@ -33,13 +39,13 @@ class LanguageModelling(TaskFamily):
     metrics = (
         MetricSpec("valid_loss", "minimize", "nats/token", _UNIFORM, description="validation cross-entropy (over "
                    "the split's first task.eval_tokens tokens where that is set)", split="valid",
-                   defined_by=EVALUATED_TOKENS),
+                   defined_by=AT_TRAINING_LENGTH),
         MetricSpec("valid_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
-                   split="valid", defined_by=EVALUATED_TOKENS),
+                   split="valid", defined_by=AT_TRAINING_LENGTH),
         MetricSpec("test_loss", "minimize", "nats/token", _UNIFORM, description="written when the corpus has a test "
-                   "split (WikiText-2; not Tiny Shakespeare)", split="test", defined_by=EVALUATED_TOKENS),
+                   "split (WikiText-2; not Tiny Shakespeare)", split="test", defined_by=AT_TRAINING_LENGTH),
         MetricSpec("test_ppl", "minimize", "perplexity", "the vocabulary size for a uniform prediction", split="test",
-                   defined_by=EVALUATED_TOKENS),
+                   defined_by=AT_TRAINING_LENGTH),
         # measured on the corpus's last split, which the key names: test on WikiText-2, valid on Tiny Shakespeare
         MetricSpec("*_ppl_by_length.*", "minimize", "perplexity",
                    "the vocabulary size for a uniform prediction", objective=False,
@@ -48,7 +54,7 @@ class LanguageModelling(TaskFamily):
                    split=SPLIT_FROM_NAME, defined_by=EVALUATED_TOKENS),
         MetricSpec("*_ppl_at_2x", "minimize", "perplexity", "the vocabulary size for a uniform prediction",
                    description="perplexity at twice the training length (Press et al. 2022's extrapolation test)",
-                   split=SPLIT_FROM_NAME, defined_by=EVALUATED_TOKENS),
+                   split=SPLIT_FROM_NAME, defined_by=AT_TRAINING_LENGTH),
     )
     default_objective = "valid_loss"
     reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "eval_lengths", "eval_tokens"})
@@ -143,6 +149,12 @@ class Translation(TaskFamily):
 
         return TranslationDataModule, TranslationModule
 
+    def unread_fields(self, cfg: ExperimentConfig) -> dict[str, str]:
+        out = super().unread_fields(cfg)
+        if cfg.task.beam_size == 1:  # study.tasks.translation decodes greedily, which ranks no hypotheses
+            out["task.length_penalty"] = "task.beam_size is 1: greedy decoding ranks no hypotheses by length"
+        return out
+
 
 
 class Pretraining(TaskFamily):
@@ -161,10 +173,12 @@ class Pretraining(TaskFamily):
                                "input for a model trained with NSP or without, so the one to compare across them",
                    split="valid", defined_by=MASKED_TOKENS),
         MetricSpec("valid_nsp_accuracy", "maximize", "fraction (0-1)",
-                   "the majority label's share of the validation pairs (about 0.5)",
-                   description="next-sentence prediction accuracy (written with model.nsp only)", split="valid"),
+                   "the majority label's share of the validation pairs (0.55 on WikiText-2: a one-sentence "
+                   "chunk is always paired with a random next, as in BERT)",
+                   description="next-sentence prediction accuracy (written with model.nsp only)", split="valid",
+                   defined_by=SENTENCE_PAIRS),
         MetricSpec("valid_nsp_loss", "minimize", "nats/pair", "ln 2 = 0.693 for a constant 50/50 prediction",
-                   split="valid"),
+                   split="valid", defined_by=SENTENCE_PAIRS),
         MetricSpec("valid_masked_tokens", "maximize", "count", "-", objective=False,
                    description="masked tokens evaluated (bookkeeping)", split="valid"),
         MetricSpec("valid_nsp_pairs", "maximize", "count", "-", objective=False,

@@ -48,7 +48,9 @@ class LMDataModule(StudyDataModule):
         if len(self.ids["train"]) <= task.seq_len:
             raise ValueError(f"task.seq_len={task.seq_len} is not shorter than the {task.dataset} training split "
                              f"({len(self.ids['train'])} tokens)")
-        self.fingerprint = {**corpus.fingerprint, "tokenizer": self.tokenizer.key, "tokens": {k: len(v) for k, v in self.ids.items()}}
+        self.fingerprint = {**corpus.fingerprint, "tokenizer": self.tokenizer.key,
+                            "vocab_sha256": self.tokenizer.vocab_sha256,
+                            "tokens": {k: len(v) for k, v in self.ids.items()}}
         self.train_stream = StepIndexedBatches(self._train_batch)
 
     def model_overrides(self) -> dict[str, Any]:

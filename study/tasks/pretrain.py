@@ -262,8 +262,11 @@ class PretrainDataModule(StudyDataModule):
         if self.max_tokens < 2:
             raise ValueError(f"task.seq_len={task.seq_len} leaves no room for text after [CLS]/[SEP]")
         self.valid_batches = self.eval_batches("valid", self.nsp)
+        if (n := len(self._epoch_examples(0)[0])) < self.cfg.train.batch_size:  # now, not at the first batch of the fit
+            raise ValueError(f"train.batch_size={self.cfg.train.batch_size} exceeds the {n} training examples of an "
+                             "epoch")
         self.fingerprint = {
-            **corpus.fingerprint, "tokenizer": self.tokenizer.key,
+            **corpus.fingerprint, "tokenizer": self.tokenizer.key, "vocab_sha256": self.tokenizer.vocab_sha256,
             "documents": {k: len(v) for k, v in self.docs.items()},
             "tokens": {k: sum(len(s) for d in v for s in d) for k, v in self.docs.items()},
             "format": "segment-pair+nsp" if self.nsp else "full-sentences",

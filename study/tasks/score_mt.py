@@ -10,6 +10,7 @@ can be set beside a model's sacreBLEU on the same test set, with the metric vari
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,9 @@ def score_newstest2014(model: str, src: str = "de", tgt: str = "en", data_dir: s
         "bleu": bleu.corpus_score(hypotheses, [references]).score, "bleu_signature": str(bleu.get_signature()),
         "chrf": chrf.corpus_score(hypotheses, [references]).score, "chrf_signature": str(chrf.get_signature()),
         "beam_size": beam_size, "max_new_tokens": max_new_tokens, **cuts, "decode_seconds": seconds,
+        # what the checkpoint's own generation config sets beyond the defaults (a length penalty, a minimum length,
+        # forced tokens): generate() applies it, so the score is of these settings too
+        "generation_config": json.loads(net.generation_config.to_json_string(use_diff=True)),
         "data": corpus.fingerprint,
         "examples": [{"source": s, "reference": r, "hypothesis": h}
                      for s, r, h in list(zip(sources, references, hypotheses))[:5]],

@@ -71,7 +71,8 @@ class TranslationDataModule(StudyDataModule):
                 raise ValueError(f"tokenizer special ids {ids} are not [pad, bos, eos] = [0, 1, 2]")
         self.encoded = {split: self.encode(split) for split in ("train", "valid")}
         self._batches = self._length_grouped(self.encoded["train"], self.cfg.train.batch_size)
-        self.fingerprint = {**self.corpus.fingerprint, "tokenizer": [self.src_tok.key, self.tgt_tok.key]}
+        self.fingerprint = {**self.corpus.fingerprint, "tokenizer": [self.src_tok.key, self.tgt_tok.key],
+                            "vocab_sha256": [self.src_tok.vocab_sha256, self.tgt_tok.vocab_sha256]}
         self.train_stream = StepIndexedBatches(self._train_batch)
 
     def encode(self, split: str) -> list[tuple[list[int], list[int]]]:

@@ -89,6 +89,18 @@ class GlueTaskInfo:
     def primary_metric(self) -> str:
         return self.metrics[0]
 
+    @property
+    def flat_metrics(self) -> tuple[str, ...]:
+        """The metric names a run of this task writes: `metrics`, each suffixed by its dev split where the task has
+        two (MNLI: accuracy_m, accuracy_mm)."""
+        if len(self.eval_splits) == 1:
+            return self.metrics
+        return tuple(f"{m}_{DEV_SUFFIX.get(s, s)}" for s in self.eval_splits for m in self.metrics)
+
+
+# the record's suffix for each of MNLI's dev splits (GlueTaskInfo.flat_metrics)
+DEV_SUFFIX = {"dev_matched": "m", "dev_mismatched": "mm"}
+
 
 _NLI2 = {"entailment": 0, "not_entailment": 1}
 _MNLI = {"entailment": 0, "neutral": 1, "contradiction": 2}

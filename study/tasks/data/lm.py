@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from study.tasks.data.errors import DataError
 from study.tasks.data.sources import (
@@ -103,7 +103,8 @@ class LMCorpus:
 
 
 def is_wikitext_title(line: str) -> bool:
-    """True for a top-level article heading ` = Title = ` (not ` = = Section = = `)."""
+    """True for a line shaped as a top-level heading ` = Title = ` (not ` = = Section = = `); table rows and formula
+    lines inside articles can have that shape too (`wikitext_title_at` tells them apart)."""
     s = line.strip()
     return (
         len(s) >= 5
@@ -112,6 +113,18 @@ def is_wikitext_title(line: str) -> bool:
         and not s.startswith("= =")
         and not s.endswith("= =")
     )
+
+
+def wikitext_title_at(lines: Sequence[str], i: int) -> bool:
+    """Whether lines[i] opens an article: title-shaped, with a blank line before it (or none) and after it, and no
+    title-shaped row after that blank. Inside articles some table legends (` = Goals ; A = `) and formula lines have
+    the title's shape but sit between text lines or in a run of such rows; with this rule WikiText-2 splits into its
+    600 / 60 / 60 articles (the shape alone gives 629 / 60 / 62)."""
+    def blank(j: int) -> bool:
+        return not 0 <= j < len(lines) or not lines[j].strip()
+
+    return (is_wikitext_title(lines[i]) and (i == 0 or blank(i - 1)) and i + 1 < len(lines) and blank(i + 1)
+            and not (i + 2 < len(lines) and is_wikitext_title(lines[i + 2])))
 
 
 def _lines_keepends(text: str) -> list[str]:
@@ -124,20 +137,11 @@ def _lines_keepends(text: str) -> list[str]:
 
 
 def split_wikitext_documents(text: str) -> list[str]:
-    """Split WikiText text into articles at top-level headings. `"".join(result) == text`."""
-    docs: list[list[str]] = []
-    current: list[str] = []
-    seen_title = False
-    for line in _lines_keepends(text):
-        if is_wikitext_title(line):
-            if seen_title and current:
-                docs.append(current)
-                current = []
-            seen_title = True
-        current.append(line)
-    if current:
-        docs.append(current)
-    return ["".join(d) for d in docs]
+    """Split WikiText text into articles at their titles (`wikitext_title_at`). `"".join(result) == text`."""
+    lines = _lines_keepends(text)
+    starts = [i for i in range(len(lines)) if wikitext_title_at(lines, i)]
+    bounds = [0, *starts[1:], len(lines)]  # text before the first title joins the first article
+    return ["".join(lines[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def read_corpus_text(path: Path) -> tuple[str, str]:

@@ -70,6 +70,14 @@ class TrainedTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def vocab_sha256(self) -> str:
+        """A digest of the id map (token -> id): `key` names what the tokenizer was trained from, this what came out,
+        which a data fingerprint needs (a cache entry written before WordPiece ids were canonical, or a tie broken
+        otherwise, maps the same key to other ids)."""
+        items = sorted(self.tokenizer.get_vocab(with_added_tokens=True).items())
+        return hashlib.sha256(_canonical(items).encode("utf-8")).hexdigest()
+
     def encode(self, text: str) -> list[int]:
         if self.kind == "char" and self.tokenizer.normalizer is None and self.unk_token is not None:
             vocab = self.tokenizer.get_vocab(with_added_tokens=True)
@@ -199,6 +207,20 @@ def _train_wordpiece(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    return _canonical_wordpiece_ids(tok, specials, unk)
+
+
+def _canonical_wordpiece_ids(tok: Tokenizer, specials: list[str], unk: str) -> Tokenizer:
+    """`tok` with its special tokens first, as trained, and every other token numbered in sorted order.
+
+    WordPiece training numbers its tokens in a per-process hash order (huggingface/tokenizers#1794): the same text
+    gives the same tokens under other ids in another process, so a run resumed or repeated on another machine (or
+    with another cache folder) would read its weights with other tokens' ids. Renumbering changes no segmentation
+    (WordPiece matches strings, not ids) and makes the id map a function of the token set."""
+    vocab = tok.get_vocab(with_added_tokens=False)
+    head = [t for t in specials if t in vocab]
+    order = head + sorted(set(vocab) - set(head))
+    tok.model = models.WordPiece({t: i for i, t in enumerate(order)}, unk_token=unk, continuing_subword_prefix="##")
     return tok
 
 

@@ -50,6 +50,12 @@ _METRIC_CONSTANTS = ("the training majority class: SST-2 accuracy 50.9, RTE 52.7
                      "accuracy 68.4; MCC 0 (CoLA); correlation 0 (STS-B)")
 
 
+
+def _scale(metric: str) -> str:
+    """A metric's scale: points on 0-100, a correlation's down to -100 (a prediction that runs against the labels)."""
+    return "0-100 (a correlation: -100 to 100)" if metric in ("mcc", "pearson", "spearman") else "0-100"
+
+
 class Glue(TaskFamily):
     """Fine-tuning on GLUE tasks, each once per fine-tuning seed (`glue`)."""
 
@@ -66,7 +72,7 @@ class Glue(TaskFamily):
                    description="spread over the fine-tuning seeds; null for one seed"),
         MetricSpec("*/score", "maximize", "0-100", _METRIC_CONSTANTS,
                    description="the task's score: mean of its metrics (mean over fine-tuning seeds)", split="valid"),
-        *(MetricSpec(f"*/{m}", "maximize", "0-100", _METRIC_CONSTANTS, description=f"dev {m}, mean over seeds",
+        *(MetricSpec(f"*/{m}", "maximize", _scale(m), _METRIC_CONSTANTS, description=f"dev {m}, mean over seeds",
                      split="valid")
           for m in ("accuracy", "f1", "mcc", "pearson", "spearman", "accuracy_m", "accuracy_mm")),
     )
@@ -79,12 +85,15 @@ class Glue(TaskFamily):
     # the metrics of one part (task, seed) of the suite
     part_metrics = (
         MetricSpec("score", "maximize", "0-100", _METRIC_CONSTANTS, split="valid"),
-        *(MetricSpec(m, "maximize", "0-100", _METRIC_CONSTANTS, split="valid")
+        *(MetricSpec(m, "maximize", _scale(m), _METRIC_CONSTANTS, split="valid")
           for m in ("accuracy", "f1", "mcc", "pearson", "spearman", "accuracy_m", "accuracy_mm")),
         MetricSpec("dev.*", "maximize", "0-100", _METRIC_CONSTANTS, description="each dev split's metrics",
                    split="valid"),
         MetricSpec("n_train", "maximize", "count", "-", objective=False),
         MetricSpec("n_dev.*", "maximize", "count", "-", objective=False),
+        MetricSpec("truncated.*", "minimize", "count", "-", objective=False,
+                   description="examples of the split (key) longer than task.seq_len tokens, cut to it as BERT does "
+                               "(the longer text of a pair from its end): scored or trained on part of their text"),
     )
 
     def implementation(self):
@@ -95,6 +104,19 @@ class Glue(TaskFamily):
 
     def predicted_fraction(self, cfg: ExperimentConfig) -> float:
         return 0.0  # a pooled classifier replaces the vocabulary projection
+
+    def unwritten_metric(self, cfg: ExperimentConfig, metric: str) -> str | None:
+        """A per-task metric (`TASK/metric`) is written only for a task the suite runs, spelled as the record
+        spells it (`SST-2`), and only for a metric that task has (SST-2 no F1; MNLI accuracy_m and accuracy_mm)."""
+        task, slash, name = metric.partition("/")
+        if not slash or "*" in metric:
+            return None
+        tasks = suite_tasks(cfg)
+        if task not in tasks:
+            return (f"{metric} is never written: the suite runs {tasks}, and records each task's metrics as "
+                    f"TASK/metric with these spellings")
+        written = [f"{task}/{m}" for m in ("score", *glue_task_info(task).flat_metrics)]
+        return None if metric in written else f"{metric} is never written: {task} writes {written}"
 
     # -- what reaches the model ------------------------------------------------------------------------------
     def overridden_fields(self, cfg: ExperimentConfig) -> dict[str, str]:

@@ -19,15 +19,24 @@ from study.tasks.pretrain import CLS, PAD, SEP, SPECIALS, TOKENIZER_FILE
 
 
 def encode_example(tok: TrainedTokenizer, a: str, b: str | None, seq_len: int) -> tuple[list[int], list[int]]:
-    """[CLS] a [SEP] (b [SEP]) with segment ids, the longer text trimmed from its end until it fits."""
+    """[CLS] a [SEP] (b [SEP]) with segment ids, the longer text trimmed from its end until it fits (BERT's
+    run_classifier.py: _truncate_seq_pair)."""
+    ids, types, _ = encode_and_count(tok, a, b, seq_len)
+    return ids, types
+
+
+def encode_and_count(tok: TrainedTokenizer, a: str, b: str | None, seq_len: int) -> tuple[list[int], list[int], bool]:
+    """encode_example, and whether the example was cut to fit."""
     ids_a = tok.encode(a)
     if b is None:
+        cut = len(ids_a) > seq_len - 2
         ids_a = ids_a[: seq_len - 2]
-        return [CLS, *ids_a, SEP], [0] * (len(ids_a) + 2)
+        return [CLS, *ids_a, SEP], [0] * (len(ids_a) + 2), cut
     ids_b = tok.encode(b)
+    cut = len(ids_a) + len(ids_b) > seq_len - 3
     while len(ids_a) + len(ids_b) > seq_len - 3:
         (ids_a if len(ids_a) > len(ids_b) else ids_b).pop()
-    return [CLS, *ids_a, SEP, *ids_b, SEP], [0] * (len(ids_a) + 2) + [1] * (len(ids_b) + 1)
+    return [CLS, *ids_a, SEP, *ids_b, SEP], [0] * (len(ids_a) + 2) + [1] * (len(ids_b) + 1), cut
 
 
 def collate(examples: Sequence[tuple[list[int], list[int]]], labels: Sequence | None, regression: bool) -> dict[str, torch.Tensor]:
@@ -68,15 +77,17 @@ class GlueDataModule(StudyDataModule):
             self.tokenizer = build_tokenizer(task.tokenizer, texts, task.vocab_size, SPECIALS, self.cache_dir, fp,
                                              lowercase=task.lowercase)
             origin = {"init_from": None}
-        self.encoded = {
-            split: [encode_example(self.tokenizer, e.text_a, e.text_b, task.seq_len) for e in examples]
-            for split, examples in self.data.splits.items()
-        }
+        counted = {split: [encode_and_count(self.tokenizer, e.text_a, e.text_b, task.seq_len) for e in examples]
+                   for split, examples in self.data.splits.items()}
+        self.encoded = {split: [(ids, types) for ids, types, _ in rows] for split, rows in counted.items()}
+        # examples cut to task.seq_len, per split: what part of each split was scored on part of its text
+        self.truncated = {split: sum(cut for _, _, cut in rows) for split, rows in counted.items()}
         self.labels = {split: [e.label for e in examples] for split, examples in self.data.splits.items()}
         self.n_train = len(self.encoded[self.info.train_split])
         if self.n_train == 0:
             raise ValueError(f"GLUE {self.info.name}: the training split is empty")
-        self.fingerprint = {**self.data.fingerprint, "tokenizer": self.tokenizer.key, **origin,
+        self.fingerprint = {**self.data.fingerprint, "tokenizer": self.tokenizer.key,
+                            "vocab_sha256": self.tokenizer.vocab_sha256, **origin,
                             "examples": {k: len(v) for k, v in self.encoded.items()},
                             "unavailable_splits": list(self.data.unavailable_splits)}
         self.train_stream = StepIndexedBatches(self._train_batch)

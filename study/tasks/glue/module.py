@@ -13,7 +13,7 @@ from study.config import ExperimentConfig
 from study.io import atomic_write
 from study.model.transformer import SequenceClassificationHead
 from study.tasks.base import StudyModule
-from study.tasks.data import GlueTaskInfo, glue_task_info
+from study.tasks.data.glue import DEV_SUFFIX, GlueTaskInfo, glue_task_info
 from study.tasks.glue.data import GlueDataModule
 from study.tasks.glue.metrics import compute_metrics, task_score
 from study.tasks.glue.pretrained import load_encoder_weights
@@ -79,7 +79,8 @@ class GlueModule(StudyModule):
                 idxs = [e.idx for e in dm.data[split]]
                 self.test_predictions[split] = list(zip(idxs, self.predict(dm, split)))
         return {"task": info.name, "score": task_score(dev), **flat_metrics(info, dev), "dev": dev,
-                "n_train": dm.n_train, "n_dev": {s: len(dm.encoded[s]) for s in info.eval_splits}}
+                "n_train": dm.n_train, "n_dev": {s: len(dm.encoded[s]) for s in info.eval_splits},
+                "truncated": {s: dm.truncated[s] for s in (info.train_split, *info.eval_splits)}}
 
     def save_outputs(self, run_dir: Path) -> None:
         """The classifier head (model.pt holds the encoder) and the test predictions in the GLUE server format."""
@@ -92,5 +93,4 @@ def flat_metrics(info: GlueTaskInfo, dev: dict[str, dict[str, float]]) -> dict[s
     """{metric: value} for a single dev split; MNLI's become accuracy_m and accuracy_mm."""
     if len(info.eval_splits) == 1:
         return dict(dev[info.eval_splits[0]])
-    suffix = {"dev_matched": "m", "dev_mismatched": "mm"}
-    return {f"{k}_{suffix.get(split, split)}": v for split in info.eval_splits for k, v in dev[split].items()}
+    return {f"{k}_{DEV_SUFFIX.get(split, split)}": v for split in info.eval_splits for k, v in dev[split].items()}
