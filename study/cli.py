@@ -72,6 +72,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from study.tasks.data import DataError
 
     out = Path(args.out) if args.out else Path("runs") / cfg.name
+    if not args.out and (problems := _out_dir_problems("run directory", str(out))):
+        print("study run: " + "; ".join(problems) + "; give --out DIR", file=sys.stderr)
+        return 2
     try:
         with _held(out):
             metrics = run_experiment(cfg, out, data_dir=args.data_dir, cache_dir=args.cache_dir, force=args.force)
@@ -177,8 +180,13 @@ def _cmd_results(args: argparse.Namespace) -> int:
     if not (sweep_dir / "plan.json").is_file():
         print(f"study results: {sweep_dir} holds no sweep (no plan.json)", file=sys.stderr)
         return 2
-    df = write_table(sweep_dir)
-    print(summary(df, read_json(sweep_dir / "plan.json")["objective"]["metric"]))
+    try:  # a damaged or newer-schema record (or plan) is named, not a traceback
+        df = write_table(sweep_dir)
+        objective = read_json(sweep_dir / "plan.json")["objective"]["metric"]
+    except (ValueError, OSError, KeyError, TypeError) as err:
+        print(f"study results: {sweep_dir}: {err}", file=sys.stderr)
+        return 2
+    print(summary(df, objective))
     print(f"\nwritten: {sweep_dir / 'results.parquet'}, {sweep_dir / 'results.csv'}")
     return 0
 
@@ -238,7 +246,9 @@ def _cmd_score_mt(args: argparse.Namespace) -> int:
     from study.tasks.data import DataError
     from study.tasks.score_mt import score_newstest2014
 
-    default = Path("runs") / f"newstest2014-{args.src}-{args.tgt}-{Path(args.model).name}.json"
+    # the beam and a --limit in the name: a quick check on a few sentences must not replace a full score
+    limit = f"-first{args.limit}" if args.limit else ""
+    default = Path("runs") / f"newstest2014-{args.src}-{args.tgt}-{Path(args.model).name}-beam{args.beam}{limit}.json"
     out = Path(args.out) if args.out else default
     # checked before the model decodes for minutes, whose scores an unwritable --out would lose
     problems = _path_problems(args.data_dir)
@@ -323,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while starting up (imports, reading data): one line, not a traceback
         print("study: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `study axes | head`: the reader left; Python's documented way out (signal docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -357,7 +370,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="score only the first N segments (the JSON says it is partial)")
     score.add_argument("--data-dir", default=os.environ.get("STUDY_DATA_DIR"),
                        help="local dataset folder (default: $STUDY_DATA_DIR; else the Hugging Face hub)")
-    score.add_argument("--out", help="result JSON (default: runs/newstest2014-SRC-TGT-MODEL.json)")
+    score.add_argument("--out", help="result JSON (default: runs/newstest2014-SRC-TGT-MODEL-beamB[-firstN].json)")
     score.set_defaults(func=_cmd_score_mt)
     from study.report.cli import add_commands as add_report_commands
 

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -101,7 +102,7 @@ def read_json_or_none(path: str | Path) -> Any:
     """The JSON in `path`, or None when it is missing or unreadable (never half-written: see atomic_write)."""
     try:
         return read_json(path)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # (json.JSONDecodeError and UnicodeDecodeError are ValueErrors)
         return None
 
 
@@ -153,6 +154,21 @@ class _CoreLoader(yaml.SafeLoader):
         text = self.construct_scalar(node)
         base = {"0o": 8, "0x": 16}.get(text[:2], 10)
         return int(text[2:] if base != 10 else text, base)
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        """A mapping whose key repeats is refused: PyYAML keeps the last value without a word, so a config with
+        `model:` twice would drop the whole first section (YAML 1.2 requires keys to be unique)."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True) if key_node.tag != "tag:yaml.org,2002:merge" else None
+                if key is not None and isinstance(key, Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"found the key {key!r} twice (first on line {seen[key].start_mark.line + 1}); YAML keeps only "
+                        "the last, so the first would be dropped without a word", key_node.start_mark)
+                seen.setdefault(key, key_node)
+        return super().construct_mapping(node, deep=deep)
 
 
 class _CoreDumper(yaml.SafeDumper):

@@ -35,6 +35,7 @@ ordinary run directory per part below it.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,8 +100,10 @@ class RunDir:
     trial_log = property(lambda self: self.path / "trial.log")
 
     def read(self) -> dict[str, Any] | None:
-        """The metrics.json record, or None when there is none (the run has not ended)."""
-        return read_json_or_none(self.metrics)
+        """The metrics.json record, or None when there is none (the run has not ended) or it is no record (not a
+        JSON object: a damaged file)."""
+        record = read_json_or_none(self.metrics)
+        return record if isinstance(record, dict) else None
 
     def finished(self) -> dict[str, Any] | None:
         """The record of a run that ended with a result (completed or diverged), else None."""
@@ -109,6 +112,19 @@ class RunDir:
 
     def write(self, record: dict[str, Any]) -> None:
         atomic_write_json(self.metrics, record)
+
+    def remove_stale_temp_files(self, older_than_s: float = 60.0) -> list[Path]:
+        """Delete the temporary files of writes a kill cut short (`study.io.atomic_write`'s `.NAME.XXXX.tmp`, as
+        large as a checkpoint), which nothing else would remove: each attempt's have other names. For the process
+        that holds the run directory, before it writes. trial.json's are left alone (sweep workers update it
+        under its own lock while the run trains), as is any file written to in the last `older_than_s` seconds."""
+        now = time.time()
+        stale = [p for folder in (self.path, self.path / "checkpoints") if folder.is_dir()
+                 for p in folder.glob(".*.tmp") if not p.name.startswith(f".{self.trial.name}.") and p.is_file()
+                 and now - p.stat().st_mtime > older_than_s]
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return stale
 
     def write_env(self, env: dict[str, Any], continues: bool) -> None:
         """env.json for the attempt starting now; where it `continues` earlier attempts (a resumed run), their

@@ -63,7 +63,8 @@ def _coerce(field_name: str, tp: Any, value: Any, problems: Problems) -> Any:
     is optional (a null elsewhere would silently mean something else); floats must be finite."""
     if value is None:
         if _strip_optional(tp) is tp and tp is not Any:
-            kind = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+            kind = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+                    "dict": "a mapping (write {} for none)", "tuple": "a list (write [] for none)"}
             problems.add(field_name, f"must be {kind.get(getattr(tp, '__name__', ''), tp)}, got null")
         return None
     tp = _strip_optional(tp)
@@ -101,8 +102,13 @@ def _coerce(field_name: str, tp: Any, value: Any, problems: Problems) -> Any:
             return tuple(_coerce(field_name, inner, v, problems) for v in value)
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             return value if isinstance(value, tp) else tp.from_dict(value)
-    except (TypeError, ValueError):
-        problems.add(field_name, f"{value!r} is not a valid {getattr(tp, '__name__', tp)}")
+    except ConfigError as err:  # a section given as a mapping: its own problems, under its name
+        for problem in err.problems:
+            problems.items.append(f"{field_name}.{problem}")
+        return value
+    except (TypeError, ValueError, OverflowError):  # (an integer too large for a float overflows)
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        problems.add(field_name, f"{shown} is not a valid {getattr(tp, '__name__', tp)}")
         return value
     return value
 
@@ -189,6 +195,7 @@ class Config:
 
     @classmethod
     def from_yaml(cls: type[T], text_or_path: str | Path) -> T:
+        """A config from YAML text, or from a file given as a Path (a str is always read as the text itself)."""
         text = Path(text_or_path).read_text() if isinstance(text_or_path, Path) else text_or_path
         return cls.from_dict(load_yaml(text))
 

@@ -47,8 +47,8 @@ class ExperimentConfig(Config):
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def _validate(self, p: Problems) -> None:
-        p.check(bool(re.fullmatch(r"[A-Za-z0-9_.=+-]+", self.name)), "name",
-                f"{self.name!r}: use letters, digits and _ . = + - only (it names a directory)")
+        p.check(bool(re.fullmatch(r"(?!\.+$)[A-Za-z0-9_.=+-]+", self.name)), "name",
+                f"{self.name!r}: use letters, digits and _ . = + - only, not dots alone (it names a directory)")
         m, t = self.model, self.task
         p.check(m.arch == t.arch, "model.arch", f"task {t.name!r} trains arch={t.arch!r}, got arch={m.arch!r}")
         if t.name == "pretrain" or t.name == "glue":

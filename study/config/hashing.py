@@ -50,7 +50,25 @@ def _identity(cfg: Config, drop_seed: bool, resolved: bool) -> dict[str, Any]:
     model = getattr(cfg, "model", None)
     if resolved and model is not None and getattr(model, "window", None) is not None:
         _built_pattern(model, data)
+    if resolved and "task" in data:
+        _suite_as_run(data["task"])
     return data
+
+
+def _suite_as_run(task: dict[str, Any]) -> None:
+    """A GLUE suite as it runs: `glue_tasks` as the set of tasks (however spelled, in any order; all nine listed is
+    none listed), and `per_task` numbers as values (3 and 3.0 set one value: it is coerced where it is applied)."""
+    from study.config.task import GLUE_DATASETS, glue_task_key
+
+    if "glue_tasks" in task:
+        keys = sorted({glue_task_key(t) for t in task["glue_tasks"]})
+        if keys == sorted(GLUE_DATASETS):
+            del task["glue_tasks"]
+        else:
+            task["glue_tasks"] = keys
+    if "per_task" in task:
+        task["per_task"] = {name: {k: int(v) if isinstance(v, float) and v.is_integer() else v
+                                   for k, v in settings.items()} for name, settings in task["per_task"].items()}
 
 
 def _built_pattern(model: Any, data: dict[str, Any]) -> None:

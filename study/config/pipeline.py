@@ -36,8 +36,8 @@ class PipelineConfig(Config):
     stages: dict = field(default_factory=dict)  # stage name -> ExperimentConfig, in the order they run
 
     def _validate(self, p: Problems) -> None:
-        p.check(bool(re.fullmatch(r"[A-Za-z0-9_.=+-]+", self.name)), "name",
-                f"{self.name!r}: use letters, digits and _ . = + - only (it names a directory)")
+        p.check(bool(re.fullmatch(r"(?!\.+$)[A-Za-z0-9_.=+-]+", self.name)), "name",
+                f"{self.name!r}: use letters, digits and _ . = + - only, not dots alone (it names a directory)")
         names = list(self.stages)
         p.check(len(names) >= 2, "stages", f"a pipeline has at least two stages, got {names}")
         for i, (name, stage) in enumerate(self.stages.items()):
@@ -114,7 +114,13 @@ def apply_stage_overrides(data: dict[str, Any], assignments: dict[str, Any]) -> 
     """A copy of the pipeline mapping `data` with `{"stage.section.field": value}` assignments applied."""
     from study.config.experiment import set_fields
 
-    stages = {k: dict(v) for k, v in (data.get("stages") or {}).items()}
+    given = data.get("stages") or {}
+    bad = [f"stages.{k}" for k, v in given.items() if v is not None and not isinstance(v, dict)] \
+        if isinstance(given, dict) else ["stages"]
+    if bad:
+        raise ConfigError("PipelineConfig", [f"{where}: must be a mapping of sections (model, task, train)"
+                                             + ("" if where != "stages" else " by stage name") for where in bad])
+    stages = {k: dict(v or {}) for k, v in given.items()}
     for key, value in assignments.items():
         if key == "name":
             continue
@@ -123,7 +129,10 @@ def apply_stage_overrides(data: dict[str, Any], assignments: dict[str, Any]) -> 
             raise ConfigError("PipelineConfig", [f"{key}: pipeline overrides look like STAGE.SECTION.FIELD with "
                                                  f"STAGE one of {list(stages)}"])
         stages[stage] = set_fields(stages[stage], {rest: value})
-    return {**data, "name": assignments.get("name", data.get("name")), "stages": stages}
+    out = {**data, "stages": stages}
+    if "name" in assignments:
+        out["name"] = assignments["name"]
+    return out
 
 
 def load_experiment(path, overrides=()) -> ExperimentConfig | PipelineConfig:

@@ -266,8 +266,9 @@ class SweepConfig(Config):
     tune: dict = field(default_factory=dict)
 
     def _validate(self, p: Problems) -> None:
-        p.check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), "name",
-                f"{self.name!r}: use letters, digits and _ . - only (it names a directory and a study)")
+        p.check(bool(re.fullmatch(r"(?!\.+$)[A-Za-z0-9_.-]+", self.name)), "name",
+                f"{self.name!r}: use letters, digits and _ . - only, not dots alone (it names a directory and a "
+                "study)")
         p.check(self.base is None or isinstance(self.base, (str, dict)), "base",
                 "must be the path of an experiment YAML or an inline {model, task, train} mapping")
         p.choice("design", self.design, DESIGNS)

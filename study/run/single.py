@@ -141,6 +141,7 @@ def _write_inputs(run: RunDir, cfg: ExperimentConfig, dm, resumes: bool) -> None
 
     if launch_rank() != 0:
         return
+    run.remove_stale_temp_files()
     atomic_write_text(run.config, cfg.to_yaml())
     kernels = cpu_kernels(cfg.model, cfg.train.accelerator, cfg.train.precision)
     run.write_env(snapshot(cfg.train.precision, cfg.train.accelerator) | {"cpu_kernels": kernels}, continues=resumes)

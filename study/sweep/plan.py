@@ -104,6 +104,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
         raise SweepSpecError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise SweepSpecError(f"{path}: a sweep spec is a mapping (name, base, axes, seeds, ...)")
+    data.setdefault("name", path.stem)  # as `study status|results SPEC` read it: one folder, results/<stem>
     stages = list(data.get("stages") or {}) if isinstance(data.get("stages"), dict) else []
     for key, value in (overrides or {}).items():
         stage, field_path = route(key, stages)
@@ -130,8 +131,16 @@ def _read_base(base: Any, root: Path, where: str) -> dict[str, Any]:
         return {}
     base_path = (root / base) if not Path(base).is_absolute() else Path(base)
     if not base_path.is_file():
-        raise SweepSpecError(f"{where}: experiment config {base_path} does not exist")
-    return load_yaml(base_path.read_text()) or {}
+        kind = "is a folder, not an experiment YAML" if base_path.is_dir() else "does not exist"
+        raise SweepSpecError(f"{where}: experiment config {base_path} {kind}")
+    try:
+        data = load_yaml(base_path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise SweepSpecError(f"{where}: {base_path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise SweepSpecError(f"{where}: {base_path} holds a {type(data).__name__}, not an experiment (a mapping with "
+                             "sections model, task and train)")
+    return data
 
 
 def base_configs(spec: SweepConfig, root: Path) -> dict[str | None, dict[str, Any]]:
