@@ -61,7 +61,7 @@ from study.axes.norm import RMSNorm, rms_norm_reference  # noqa: E402
 from study.config.presets import preset  # noqa: E402
 from study.model.ffn import FeedForward  # noqa: E402
 from study.model.transformer import DecoderLM, Stack  # noqa: E402
-from study.run.environment import cpu_flags, cpu_model  # noqa: E402
+from study.run.environment import bench_provenance, cpu_flags, cpu_model  # noqa: E402
 
 BATCH, SEQ, VOCAB = 16, 128, 65  # the default sweep: 16 x 128 characters of Tiny Shakespeare (65 symbols)
 BASE_YAML = ROOT / "experiments" / "ablation_base.yaml"
@@ -332,7 +332,7 @@ def measure_loss(rounds: int, steps: int) -> dict:
 
 
 def machine(threads: int) -> dict:
-    return {"cpu": cpu_model(), **cpu_flags(), "threads": threads, "torch": torch.__version__,
+    return {"cpu": cpu_model(), **cpu_flags(), **bench_provenance(), "threads": threads, "torch": torch.__version__,
             "python": platform.python_version()}
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the frozen reference lives beside the
 from beam_search_reference import reference_beam_search  # noqa: E402
 
 from study.model.generate import beam_search  # noqa: E402
-from study.run.environment import cpu_flags, cpu_model  # noqa: E402
+from study.run.environment import bench_provenance, cpu_flags, cpu_model  # noqa: E402
 
 CONTESTANTS = {"reference": reference_beam_search, "new": beam_search}
 
@@ -108,7 +108,7 @@ def run_rounds(model, cfg, work, beam: int, rounds: int, exact: bool = True, war
 
 
 def machine(threads: int) -> dict:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), **cpu_flags(), "threads": threads,
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), **cpu_flags(), **bench_provenance(), "threads": threads,
             "torch": torch.__version__, "python": platform.python_version()}
 
 

@@ -64,4 +64,4 @@ torch.version.cuda, 'lightning', lightning.__version__, 'transformers', transfor
       && cp bench/results/run-multi30k-de-en-gpu.json "$OUT/"
   fi
   echo "== done [${SECONDS}s]"
-} 2>&1 | tee "$OUT/log.txt"
+} 2>&1 | tee "$OUT/lease-log.txt"  # the name the committed leases (bench/results/gpu-*) use

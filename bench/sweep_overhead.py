@@ -13,7 +13,9 @@ order each round:
 For every trial the run record gives its training (`fit_seconds`) and final evaluation (`final_eval_seconds`); the
 rest of the trial's wall time is the fixed cost. For a sweep the trial's wall time is the worker's (trial.json: from
 the claim's bookkeeping to the outcome recorded), so the fixed cost includes process start, imports, data and
-tokenizer loading, writing the run directory and the queue's bookkeeping. Prints the per-trial fixed cost of each way,
+tokenizer loading, writing the run directory and the queue's bookkeeping; with the fork launcher the imports are the
+zygote's, paid once per worker before its first claim, and so in no trial's fixed cost (they are the ~5 s a sweep of
+any length pays once per worker). Prints the per-trial fixed cost of each way,
 its ratio to the spawn launcher's measured in the same run, and writes bench/results/sweep-overhead-<date>.json with
 the machine.
 """

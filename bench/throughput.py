@@ -76,7 +76,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from study.io import unused_path  # noqa: E402
-from study.run.environment import cpu_flags, cpu_model  # noqa: E402
+from study.run.environment import bench_provenance, cpu_flags, cpu_model  # noqa: E402
 
 VOCAB, SEQ, BATCH = 8000, 128, 32
 SIZES = {
@@ -682,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         "hostname": platform.node(),
         "device": args.device,
         "malloc": args.malloc,  # the same in every contestant's process and memory probe
+        **bench_provenance(on_cpu=not on_gpu),
     }
     if on_gpu:
         from study.model.precision import enable_tf32

@@ -213,8 +213,9 @@ def share_kv_in_kernel(bias: torch.Tensor | None, device: torch.device, dtype: t
 
 
 # SDPA's fused CPU kernel (torch <= 2.13 at least) is fast forward in bf16/fp16 but slow backward at short lengths:
-# measured on a Xeon with AMX-BF16, 2 threads, forward + backward of (B, nh, T, hs) = (64, 4, 20, 64) took 12.4 ms in
-# bf16 against 2.7 ms with the same forward and the float32 backward, (32, 8, 128, 64) 55 against 27 ms; the two meet
+# measured on a Xeon with AMX-BF16, 2 threads, forward + backward of (B, nh, T, hs) = (64, 4, 20, 64) took 14.3 ms in
+# bf16 against 2.9 ms with the same forward and the float32 backward, (32, 8, 128, 64) 67 against 32 ms
+# (bench/results/axis-cost-2026-11-26-xeon-amx-2threads-attention-backward.json); the two meet
 # at 256 keys (45 ms each) and bf16 wins beyond (384 keys: 37 against 42 ms). On a Zen 4 EPYC (AVX-512 BF16, no
 # AMX, 1 thread) the same holds: 17.9 against 5.7 ms at Multi30k's shape, 0.96x at 255 keys, parity from 256. Below
 # this many keys a half-precision CPU training step keeps the kernel's forward and runs its own backward

@@ -93,6 +93,17 @@ def cpu_kernels(model: Any, accelerator: str, precision: str = "32-true") -> dic
     return {name: "c++" if cpu_ops(name) is not None else "eager" for name in names}
 
 
+def bench_provenance(on_cpu: bool = True) -> dict[str, Any]:
+    """What a benchmark record needs to say what ran: the code (commit, uncommitted changes) and, for a CPU run,
+    whether the C++ CPU kernels were built and loaded ("c++") or their eager fallbacks ran ("eager":
+    STUDY_CPU_KERNELS=0, no compiler), which a row labelled by the kernel would otherwise hide."""
+    if not on_cpu:
+        return git_state()
+    from study.axes.cpu_kernels import cpu_ops
+
+    return {**git_state(), "cpu_kernels": "c++" if cpu_ops("cross_entropy_grad") is not None else "eager"}
+
+
 # glibc's mallopt parameters (malloc.h) and what a CPU training process sets: every block from the heap, none mapped
 # alone, and the heap's free top kept up to 2 GiB (mallopt takes an int).
 _MALLOPT = {"mmap_max": -4, "trim_threshold": -1}
