@@ -80,3 +80,20 @@ def test_the_cli_writes_the_result_json(tiny_bart, tmp_path, capsys):
                  "--out", str(out)]) == 0
     saved = json.loads(out.read_text())
     assert saved["sentences"] == 3 and len(saved["hypotheses"]) == 3
+
+
+def test_a_checkpoint_told_its_direction_by_codes_or_a_prefix_is_refused_not_scored():
+    """mBART, M2M-100 and NLLB take language codes, T5 a task prefix; score-mt sets neither, so such a model would
+    translate in its default direction and be reported as a weak model."""
+    from types import SimpleNamespace
+
+    from study.tasks.score_mt import direction_problem
+
+    def net(kind):
+        return SimpleNamespace(config=SimpleNamespace(model_type=kind))
+
+    plain = SimpleNamespace(src_lang=None)
+    assert "language codes" in direction_problem(net("m2m_100"), plain, "facebook/m2m100_418M")
+    assert "a task prefix" in direction_problem(net("t5"), plain, "t5-small")
+    assert "language codes" in direction_problem(net("bart"), SimpleNamespace(src_lang="de_DE"), "x")
+    assert direction_problem(net("marian"), plain, "Helsinki-NLP/opus-mt-de-en") is None

@@ -41,6 +41,24 @@ def load_hf_translator(model: str, device: str = "cpu"):
     return net, tokenizer
 
 
+# checkpoints that translate in the direction a language code or a task prefix names (mBART, M2M-100, NLLB: codes;
+# T5: "translate German to English: "): score-mt sets neither, so they would translate in a default direction or
+# not at all, and score as a poor model rather than as a refusal
+NEEDS_DIRECTION = {"mbart": "language codes", "m2m_100": "language codes", "nllb-moe": "language codes",
+                   "t5": "a task prefix", "mt5": "a task prefix", "umt5": "a task prefix"}
+
+
+def direction_problem(net, tokenizer, model: str) -> str | None:
+    """Why `model` cannot be scored as a plain src -> tgt translator, or None."""
+    kind = getattr(getattr(net, "config", None), "model_type", None)
+    needs = NEEDS_DIRECTION.get(kind) or ("language codes" if getattr(tokenizer, "src_lang", None) else None)
+    if needs is None:
+        return None
+    return (f"{model} ({kind}) is told its translation direction by {needs}, which study score-mt does not set: it "
+            "would translate in a default direction and score as a weak model. Give a bilingual checkpoint that "
+            "translates the source as it is (Marian/opus-mt, FSMT; e.g. Helsinki-NLP/opus-mt-de-en)")
+
+
 @torch.no_grad()
 def translate(net, tokenizer, sources: list[str], beam_size: int = 4, batch_size: int = 16,
               max_new_tokens: int = 256, device: str = "cpu") -> tuple[list[str], dict[str, int]]:
@@ -73,6 +91,8 @@ def score_newstest2014(model: str, src: str = "de", tgt: str = "en", data_dir: s
     sources = [p[0] for p in pairs]
     references = [p[1] for p in pairs]
     net, tokenizer = load_hf_translator(model, device)
+    if (problem := direction_problem(net, tokenizer, model)) is not None:
+        raise ModelUnavailable(problem)
     started = time.time()
     hypotheses, cuts = translate(net, tokenizer, sources, beam_size, batch_size, max_new_tokens, device)
     seconds = time.time() - started
