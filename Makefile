@@ -11,7 +11,8 @@ TEST_JOBS ?= 2
 
 # The sweep `make ablation` runs (and `make report`/`make compare` read): any spec in experiments/.
 SPEC ?= experiments/ablation_default.yaml
-SWEEP ?= $(shell sed -n 's/^name: *//p' $(SPEC) | head -n 1)
+# (a spec without `name:` is named by its file, as `study sweep` names it)
+SWEEP ?= $(or $(shell sed -n 's/^name: *//p' $(SPEC) | head -n 1),$(basename $(notdir $(SPEC))))
 WORKERS ?=
 # Local data: $$STUDY_DATA_DIR, else ../shared/data when present, else the Hugging Face hub.
 DATA_DIR ?= $(if $(STUDY_DATA_DIR),$(STUDY_DATA_DIR),$(wildcard ../shared/data))
