@@ -200,3 +200,30 @@ def test_a_diverged_trial_row_says_why_in_its_error_column():
     assert _status(record, [{"id": "s#1", "ended": 1.0, "outcome": "diverged"}]) == (
         "diverged", "mean training loss 400 over steps 12-14 above 4 x the initial 8")
     assert _status({"status": "completed"}, []) == ("completed", "")
+
+
+class CountsReadsByMicroBatch(CountsReads):
+    """CountsReads keyed by micro-batch (batch_idx) rather than by optimizer step."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        LMModule.on_train_batch_start(self, batch, batch_idx)
+        CountsReads.counting = int(batch_idx)
+        CountsReads.reads_by_step[CountsReads.counting] = []
+        self._mode = ScalarReads()
+        self._mode.__enter__()
+
+
+@pytest.mark.parametrize("progress_bar", [True, False])
+def test_a_micro_batch_between_optimizer_steps_reads_no_tensor(corpus, monkeypatch, progress_bar):
+    """With train.accumulate, global_step still names the step before on the next step's first micro-batch: the
+    progress bar (or the plain progress lines) must not take that for a logging step and read the logged values."""
+    monkeypatch.setattr("study.model.loss.host_reads_are_free", lambda device: False)
+    monkeypatch.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, CountsReadsByMicroBatch))
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, _counting(name))
+    CountsReads.reads_by_step = {}
+    cfg = make_cfg(train={"max_steps": 8, "accumulate": 2, "log_every": 2, "grad_norm_every": 0, "eval_every": 50,
+                          "checkpoint_every": 50, "progress_bar": progress_bar})
+    run(corpus, cfg, f"host-reads-accumulate-{progress_bar}")
+    first_micro_batches = {i: reads for i, reads in CountsReads.reads_by_step.items() if i % 2 == 0}
+    assert len(first_micro_batches) == 8 and all(r == [] for r in first_micro_batches.values()), first_micro_batches

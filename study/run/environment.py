@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import importlib.metadata
 import os
 import platform
@@ -180,6 +182,11 @@ def reset_peak_memory(accelerator: str) -> None:
     if trains_on_cuda(accelerator):
         torch.cuda.reset_peak_memory_stats()
         return
+    # the peak restarts from the resident set now, which holds what an earlier run freed: a CPU training process
+    # keeps freed memory in its heap (CPU_MALLOC), so it is handed back to the system first
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)  # glibc
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
 

@@ -26,6 +26,8 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         bar, step = self.train_progress_bar, trainer.global_step
+        if trainer.fit_loop._should_accumulate():  # between micro-batches global_step names the step before
+            return
         if bar is not None and self._should_update(step, bar.total):
             bar.n = step
             every = trainer.log_every_n_steps
@@ -54,6 +56,8 @@ class StepLines(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         step, now = trainer.global_step, time.monotonic()
+        if trainer.fit_loop._should_accumulate():  # a micro-batch: its step_logs are not the step's
+            return
         every = trainer.log_every_n_steps
         last = trainer.max_steps > 0 and step >= trainer.max_steps
         if self._last is None or not (last or (every > 0 and step % every == 0 and now - self._last[0] >= self.every_s)):

@@ -55,6 +55,8 @@ def _step_checkpoint(run: RunDir, every: int, validates_every: int):
     class StepCheckpoint(ModelCheckpoint):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             step = trainer.global_step
+            if trainer.fit_loop._should_accumulate():  # global_step still names the step before, saved already
+                return
             if step % every == 0 and step % validates_every == 0 and trainer.enable_validation:
                 self._defer_save_until_validation = True  # Lightning's own deferral, saved by on_validation_end
                 return
@@ -203,9 +205,15 @@ def _fit(trainer, module, dm, resume_from: Path | None) -> None:
     """trainer.fit, with Ctrl-C raised as the KeyboardInterrupt it was. Lightning answers Ctrl-C by shutting down,
     ignoring SIGINT from then on and calling sys.exit(1): a caller could not tell an interrupt from an error, and a
     process that goes on (a library caller, a test) could no longer be interrupted."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from study.interrupts import Terminated
+
     handler = signal.getsignal(signal.SIGINT)
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resume_from else None)
+    except SIGTERMException:  # Lightning's own SIGTERM handler (where none of ours ran first) exits with no code: 0
+        raise Terminated() from None
     except SystemExit as exit_:
         if not isinstance(exit_.__context__, KeyboardInterrupt):  # another exit (a SIGTERM handler's) stays one
             raise

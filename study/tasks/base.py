@@ -181,6 +181,7 @@ class StudyModule(L.LightningModule):
         # fit seconds of the earlier attempts of a resumed run, up to the checkpoint it resumed from (in the
         # checkpoint), and when this attempt's fit began: a preempted run's cost is the whole run's, not its last part's
         self.fit_seconds_before, self._fit_started = 0.0, time.time()
+        self.measured_before: tuple[int, float] = (0, 0.0)  # (tokens, seconds) timed by the attempts resumed
         self.step_logs: dict[str, Any] = {}  # this step's training values, logged in on_train_batch_end
         self._step_means: dict[str, Any] = {}  # the optimizer step's values so far, over its micro-batches
         self._rng_restored = False  # this rank's random stream came from a checkpoint (on_load_checkpoint)
@@ -285,6 +286,8 @@ class StudyModule(L.LightningModule):
         # would be written, stale, under the next written step; this hook runs after the callbacks' (a Timer
         # that ends the run sets should_stop there), so the last step is never missed.
         trainer = self.trainer
+        if self.diverged_at is not None:  # found by a checkpoint's read in this step: a stop, this step's values
+            trainer.should_stop = True    # written (left for Lightning's stop, they would be an earlier step's)
         last = trainer.should_stop or (trainer.max_steps > 0 and self.global_step >= trainer.max_steps)
         # between micro-batches of an optimizer step (train.accumulate) nothing is written: global_step still names
         # the step before, whose values were written at its own last micro-batch
@@ -353,6 +356,8 @@ class StudyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.settle()  # the ledger's steps up to this checkpoint are counted in it
+        for logger in self.loggers:  # rows logged to the loggers directly (gradient norms) are on disk before the
+            logger.save()            # checkpoint: a run killed after it resumes past them and never logs them again
         # Lightning's checkpoint callback writes in the step's end hooks, before this module's: the write (about
         # 0.1-0.5 s of torch.save for model and AdamW state) is not the step's training time (throughput)
         self._checkpoint_started = time.perf_counter()
@@ -372,6 +377,7 @@ class StudyModule(L.LightningModule):
             "initial_loss": self.ledger.initial,
             "warmup_end_s": self.schedule.warmup_end_s,
             "fit_seconds": self.fit_seconds(),
+            "throughput_measured": self._measured(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -392,6 +398,7 @@ class StudyModule(L.LightningModule):
         # (a checkpoint written before the key existed decayed by time from time zero: it goes on doing so)
         self.schedule.warmup_end_s = state.get("warmup_end_s", 0.0)
         self.fit_seconds_before = state.get("fit_seconds", 0.0)  # (0 for a checkpoint written before the key)
+        self.measured_before = tuple(state.get("throughput_measured", (0, 0.0)))
 
     def on_train_end(self) -> None:
         self.settle()  # the steps after the last logging step (a run stopped between them)
@@ -406,13 +413,20 @@ class StudyModule(L.LightningModule):
         its last checkpoint was done again, so it is not counted twice.)"""
         return self.fit_seconds_before + (time.time() - self._fit_started)
 
-    def throughput(self, skip: int = 5) -> float | None:
-        """Training tokens per second over the timed steps, skipping warm-up steps."""
-        counted = len(self.step_tokens)  # the steps before a divergence, read from the ledger
+    def _measured(self, skip: int = 5) -> tuple[int, float]:
+        """(tokens, seconds) of the timed steps, skipping warm-up steps (all of them where there are no more), with
+        those of the attempts this one resumed (up to its checkpoint; the steps after it are trained again)."""
+        counted = min(len(self.step_tokens), len(self.step_times))  # the steps before a divergence, and timed
         times, tokens = self.step_times[skip:counted], self.step_tokens[skip:counted]
         if not times:
-            times, tokens = self.step_times[:counted], self.step_tokens
-        return sum(tokens) / sum(times) if times and sum(times) > 0 else None
+            times, tokens = self.step_times[:counted], self.step_tokens[:counted]
+        return self.measured_before[0] + int(sum(tokens)), self.measured_before[1] + float(sum(times))
+
+    def throughput(self, skip: int = 5) -> float | None:
+        """Training tokens per second over the timed steps of every attempt, skipping each attempt's warm-up steps:
+        a run resumed after its last checkpoint (killed while it evaluated) trains no step now and keeps its rate."""
+        tokens, seconds = self._measured(skip)
+        return tokens / seconds if seconds > 0 else None
 
 
 def spread_order(batches: list) -> list:
