@@ -50,6 +50,7 @@ DECLARED = {
                  "valid_nsp_pairs": _decl("maximize", "count", False)},
     "glue": {"glue_score": _decl("maximize", "0-100", defined_by=("task.glue_tasks",)),
              "*_std": _decl("minimize", "0-100 (sample sd over fine-tuning seeds)", False),
+             "seeds": _decl("maximize", "seed ids", False),
              "*/score": _decl("maximize", "0-100"),
              **{f"*/{m}": _decl("maximize", CORRELATION if m in ("mcc", "pearson", "spearman") else "0-100")
                 for m in ("accuracy", "f1", "mcc", "pearson", "spearman", "accuracy_m", "accuracy_mm")}},

@@ -237,10 +237,10 @@ SWEEP_SPECS = {"ablation_default.yaml"}  # checked with the sweep's own loader i
 
 @pytest.mark.parametrize("path", [p for p in EXPERIMENTS if p.name not in SWEEP_SPECS], ids=lambda p: p.name)
 def test_every_shipped_experiment_config_is_valid(path):
-    from study.config import ExperimentConfig
+    from study.config import load_experiment
 
-    cfg = ExperimentConfig.load(path)
-    assert cfg.name and ExperimentConfig.from_yaml(cfg.to_yaml()) == cfg
+    cfg = load_experiment(path)  # one experiment, or a pipeline of stages (pretrain_then_glue.yaml)
+    assert cfg.name and type(cfg).from_yaml(cfg.to_yaml()) == cfg
 
 
 @pytest.mark.parametrize("eps", [0.0, -1e-8])

@@ -177,3 +177,48 @@ def test_a_section_given_as_a_mapping_in_python_names_its_own_problems():
     with pytest.raises(ConfigError) as err:
         ExperimentConfig(model={"d_model": "abc"})
     assert "model.d_model: 'abc' is not a valid int" in str(err.value)
+
+
+def test_a_sweep_specs_stage_keys_in_a_pipeline_for_study_run_are_named_as_such(tmp_path):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump({"name": "p", "stages": {"pretrain": {"base": "x.yaml", "set": {}},
+                                                            "glue": {"base": "y.yaml", "init_from": "pretrain"}}}))
+    with pytest.raises(ConfigError, match="keys of a sweep spec's stages; a pipeline YAML for `study run` writes each "
+                                          "stage out in full, as experiments/pretrain_then_glue.yaml"):
+        load_experiment(path)
+
+
+def test_the_not_comparable_note_says_what_the_differing_field_changes():
+    from study.report.markdown import Doc, _defined_differently_note
+
+    doc = Doc()
+    _defined_differently_note(doc, {"metric.pretrain.valid_mlm_loss": {"model.nsp": ["false", "true"]}})
+    text = doc.blocks[-1][1]
+    assert "another input format (segment pairs or full sentences)" in text and "another vocabulary" not in text
+
+
+def test_a_suite_parts_own_data_error_names_the_part(tmp_path, monkeypatch):
+    """A vocabulary one GLUE task's text cannot fill failed the suite, after the tasks before it had trained, with
+    no word of which task."""
+    import study.run.suite
+    from study.tasks.data import DataError
+
+    def too_small(cfg, run_dir, **kwargs):
+        raise DataError("vocab_size=8000 is more than this data yields")
+
+    monkeypatch.setattr(study.run.suite, "run_single", too_small)
+    cfg = ExperimentConfig.from_dict({"name": "g", "model": {"arch": "encoder", "objective": "mlm"},
+                                      "task": {"name": "glue", "dataset": "glue", "glue_tasks": ["wnli"],
+                                               "vocab_size": 8000}})
+    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if not (data / "glue" / "WNLI").is_dir():
+        pytest.skip("real GLUE data not found")
+    with pytest.raises(DataError, match=r"g: part WNLI/seed0: vocab_size=8000 is more than this data yields"):
+        study.run.suite.run_suite(cfg, tmp_path / "g", data_dir=data)
+
+
+def test_a_comparison_without_paired_tests_says_so_instead_of_dividing_by_zero():
+    from study.report.compare import holm_sentence
+
+    assert "0.05/0" not in holm_sentence(0) and "No paired test was made" in holm_sentence(0)
+    assert "0.05/3, the next with 0.05/2" in holm_sentence(3)

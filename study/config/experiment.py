@@ -112,7 +112,11 @@ class ExperimentConfig(Config):
         data = dict(data or {})
         unknown = sorted(set(data) - {"name", *SECTIONS})
         if unknown:
-            raise ConfigError(cls.__name__, [f"{k}: unknown section; valid: ['name', 'model', 'task', 'train']" for k in unknown])
+            spec = {"base", "set", "init_from", "axes"} & set(unknown)  # a sweep spec's stage keys, in an experiment
+            hint = (f" ({', '.join(sorted(spec))}: keys of a sweep spec's stages; a pipeline YAML for `study run` "
+                    "writes each stage out in full, as experiments/pretrain_then_glue.yaml)") if spec else ""
+            raise ConfigError(cls.__name__, [f"{k}: unknown section; valid: ['name', 'model', 'task', 'train']{hint}"
+                                             for k in unknown])
         # build every section before failing, so one error lists the problems of all three
         sections: dict[str, Any] = {}
         problems: list[str] = []

@@ -734,6 +734,16 @@ def _effect_label(r) -> str:
     return f"{r['axis']}: {r['baseline']} → {r['variant']}" + (f" at {held}" if isinstance(held, str) and held else "")
 
 
+def holm_sentence(family: int) -> str:
+    """How Holm's correction treats `family` paired tests (none: nothing to correct, not a division by zero)."""
+    if not family:
+        return "No paired test was made (no pair had two seed pairs), so nothing is corrected."
+    return ("Holm's step-down correction (Holm 1979) compares the smallest p-value with "
+            f"0.05/{family}, the next with 0.05/{max(family - 1, 1)}, and so on, stopping at the first that fails, so "
+            "the chance of any false agree/disagree among them stays at most 5%; the *Holm* column is the verdict "
+            "after it.")
+
+
 def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
     # the glance counts the verdicts the table's last column states: a verdict Holm's correction withdraws is
     # counted as withdrawn, never as the agreement or disagreement it was at 95% alone
@@ -750,10 +760,8 @@ def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
           "numbers are single runs without intervals unless stated.")
     doc.p(f"**Multiplicity: {family} paired tests were made here** (one per pair of cells and metric with two or "
           "more seed pairs and a declared direction; effects that are the same test on the same cells and metric "
-          f"count once), each at 95%. Holm's step-down correction (Holm 1979) compares the smallest p-value with "
-          f"0.05/{family}, the next with 0.05/{max(family - 1, 1)}, and so on, stopping at the first that fails, so "
-          "the chance of any false agree/disagree among them stays at most 5%; the *Holm* column is the verdict "
-          "after it. For an inconclusive effect the details give the smallest difference the seeds could have "
+          f"count once), each at 95%. {holm_sentence(family)} For an inconclusive effect the details give the smallest difference "
+          "the seeds could have "
           f"detected ({POWER:.0%} power, two-sided α = 0.05, from the sd of the paired differences: "
           "(t₀.₉₇₅,ₙ₋₁ + t₀.₈₀,ₙ₋₁) · sd / √n), and whether an effect of the published size exceeds it where the "
           "published effect is in our units (GLUE dev metrics, points on 0-100).")

@@ -430,12 +430,25 @@ def _defined_differently_note(doc: Doc, differ: dict[str, dict[str, list[str]]])
     to rank a sweep by such a metric; a secondary column (or a stage's own metric) may still be one."""
     if not differ:
         return
+    what = dict.fromkeys(_WHAT_A_FIELD_CHANGES.get(".".join(f.split(".")[-2:]), "another setting")
+                         for fields in differ.values() for f in fields)  # (a stage's field: its section.field)
     doc.note("**† Not comparable across these variants:** " + "; ".join(
         f"`{metric_name(c)}` is defined by " + ", ".join(f"`{f}`" for f in fields) + ", which the variants ran "
         "differently (" + "; ".join(f"`{f}`: {', '.join(v)}" for f, v in fields.items()) + ")"
-        for c, fields in differ.items()) + ". Such a column measures a different quantity in each variant (a "
-        "per-token loss over another vocabulary, a masked-token loss over another share of masks): its values "
-        "are shown, but a difference between them is not evidence for either variant.")
+        for c, fields in differ.items()) + f". Such a column measures a different quantity in each variant (here: "
+        f"{', '.join(what)}): its values are shown, but a difference between them is not evidence for either variant.")
+
+
+# what a metric's defining field changes when the variants differ in it (the † note's words)
+_WHAT_A_FIELD_CHANGES = {
+    "task.tokenizer": "a loss per token of another tokenizer", "task.vocab_size": "a loss over another vocabulary",
+    "task.lowercase": "lowercased text", "task.dataset": "another corpus",
+    "task.eval_tokens": "another part of the split",
+    "task.mlm_probability": "another share of masked tokens", "model.nsp": "another input format (segment pairs or "
+    "full sentences)", "task.seq_len": "another sequence length (context, or inputs cut)", "task.glue_tasks":
+    "a mean over other tasks", "task.test_sets": "another test set", "task.src_lang": "another translation direction",
+    "task.tgt_lang": "another translation direction", "task.joint_vocab": "another vocabulary",
+}
 
 
 def _gaps(summary: pd.DataFrame, done: pd.DataFrame, extras: list[str]) -> bool:

@@ -24,6 +24,7 @@ from study.record import COMPLETED, COSTS, DIVERGED, RunDir, make_record, stoppe
 from study.run.conflict import finished_run, handed_back
 from study.run.single import discard_result, launch_rank, replaced_start, run_single
 from study.tasks import family
+from study.tasks.data.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,13 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
             results[part.path] = {"skipped": part.skip_reason}
             continue
         log.info("%s: %s", cfg.name, part.path)
-        results[part.path] = run_single(part.config, run.sub(part.path).path, data_dir=data_dir,
-                                        cache_dir=cache_dir, force=force, declared=task.declared(part=True))
+        try:
+            results[part.path] = run_single(part.config, run.sub(part.path).path, data_dir=data_dir,
+                                            cache_dir=cache_dir, force=force, declared=task.declared(part=True))
+        except DataError as err:  # (its own data: a vocabulary its training text cannot fill) named by its part
+            if type(err) is not DataError:
+                raise
+            raise DataError(f"{cfg.name}: part {part.path}: {err}") from None
     if writes:
         atomic_write_json(run.data, {"parts": {p: read_json_or_none(run.sub(p).data) for p, r in results.items()
                                                if "skipped" not in r},

@@ -70,6 +70,8 @@ class Glue(TaskFamily):
                    defined_by=("task.glue_tasks",)),  # a mean over other tasks is another number
         MetricSpec("*_std", "minimize", "0-100 (sample sd over fine-tuning seeds)", "-", objective=False,
                    description="spread over the fine-tuning seeds; null for one seed"),
+        MetricSpec("seeds", "maximize", "seed ids", "-", objective=False,
+                   description="the fine-tuning seeds every task ran (bookkeeping, not a measurement)"),
         MetricSpec("*/score", "maximize", "0-100", _METRIC_CONSTANTS,
                    description="the task's score: mean of its metrics (mean over fine-tuning seeds)", split="valid"),
         *(MetricSpec(f"*/{m}", "maximize", _scale(m), _METRIC_CONSTANTS, description=f"dev {m}, mean over seeds",
