@@ -123,7 +123,8 @@ def test_a_partial_newstest_score_does_not_replace_the_full_one(workdir, monkeyp
     monkeypatch.setattr(study.tasks.score_mt, "score_newstest2014", scored)
     assert main(["score-mt", "org/model"]) == 0 and main(["score-mt", "org/model", "--limit", "5"]) == 0
     full, partial = (json.loads(p.read_text())["sentences"] for p in (
-        workdir / "runs" / "newstest2014-de-en-model-beam4.json", workdir / "runs" / "newstest2014-de-en-model-beam4-first5.json"))
+        workdir / "runs" / "newstest2014-de-en-model-beam4.json",
+        workdir / "runs" / "newstest2014-de-en-model-beam4-first5.json"))
     assert (full, partial) == (3003, 5)
 
 

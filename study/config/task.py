@@ -112,7 +112,8 @@ class TaskConfig(Config):
     def _validate_glue(self, p: Problems) -> None:
         """The fields of GLUE fine-tuning (`glue`), each refused where it cannot apply."""
         bad = [t for t in self.glue_tasks if glue_task_key(t) not in GLUE_DATASETS]
-        p.check(not bad, "glue_tasks", f"unknown GLUE task(s) {bad}; valid: {list(GLUE_DATASETS)} (case and dashes ignored)")
+        p.check(not bad, "glue_tasks",
+                f"unknown GLUE task(s) {bad}; valid: {list(GLUE_DATASETS)} (case and dashes ignored)")
         p.check(len(set(self.finetune_seeds)) == len(self.finetune_seeds) and all(s >= 0 for s in self.finetune_seeds),
                 "finetune_seeds", f"must be distinct seeds >= 0, got {list(self.finetune_seeds)}")
         p.check(self.epochs is None or self.epochs > 0, "epochs", f"must be > 0 or null, got {self.epochs}")
@@ -121,9 +122,11 @@ class TaskConfig(Config):
         if self.name != "glue":
             for name, empty in (("glue_tasks", ()), ("init_from", None), ("finetune_seeds", ()), ("epochs", None),
                                 ("pooling", "cls"), ("per_task", {})):
-                p.check(getattr(self, name) == empty, name, f"only applies to task.name='glue' (got {getattr(self, name)!r})")
+                p.check(getattr(self, name) == empty, name,
+                        f"only applies to task.name='glue' (got {getattr(self, name)!r})")
         elif self.dataset != "glue":
-            p.check(not self.glue_tasks, "glue_tasks", f"only applies to dataset='glue' (the suite), not {self.dataset!r}")
+            p.check(not self.glue_tasks, "glue_tasks",
+                    f"only applies to dataset='glue' (the suite), not {self.dataset!r}")
         if self.init_from is not None:
             p.check(self.init_from.strip() != "", "init_from", "must be a pretrain run directory or null")
         p.check(self.pretrained_weights or self.init_from is not None, "pretrained_weights",
