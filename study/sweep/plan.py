@@ -98,10 +98,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
     path = Path(path)
     if not path.is_file():
         raise SweepSpecError(f"sweep spec {path} does not exist")
-    try:
-        data = load_yaml(path.read_text()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as err:  # a binary file is not YAML either
-        raise SweepSpecError(f"{path}: not valid YAML: {err}") from None
+    data = _yaml_file(path, str(path))
     if not isinstance(data, dict):
         raise SweepSpecError(f"{path}: a sweep spec is a mapping (name, base, axes, seeds, ...)")
     data.setdefault("name", path.stem)  # as `study status|results SPEC` read it: one folder, results/<stem>
@@ -124,6 +121,15 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
         raise SweepSpecError(f"{path}: {err}") from None
 
 
+def _yaml_file(path: Path, where: str) -> Any:
+    """The YAML in `path` ({} for an empty file); SweepSpecError naming `where` when it is not YAML (a binary file
+    is not YAML either)."""
+    try:
+        return load_yaml(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise SweepSpecError(f"{where}: not valid YAML: {err}") from None
+
+
 def _read_base(base: Any, root: Path, where: str) -> dict[str, Any]:
     if isinstance(base, dict):
         return dict(base)
@@ -133,10 +139,7 @@ def _read_base(base: Any, root: Path, where: str) -> dict[str, Any]:
     if not base_path.is_file():
         kind = "is a folder, not an experiment YAML" if base_path.is_dir() else "does not exist"
         raise SweepSpecError(f"{where}: experiment config {base_path} {kind}")
-    try:
-        data = load_yaml(base_path.read_text()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise SweepSpecError(f"{where}: {base_path}: not valid YAML: {err}") from None
+    data = _yaml_file(base_path, f"{where}: {base_path}")
     if not isinstance(data, dict):
         raise SweepSpecError(f"{where}: {base_path} holds a {type(data).__name__}, not an experiment (a mapping with "
                              "sections model, task and train)")
