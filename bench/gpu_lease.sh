@@ -9,6 +9,7 @@
 #
 #   DATA=../shared/data bash bench/gpu_lease.sh
 #
+# STAGES picks a part of it for a shorter lease (default all four: "tests throughput sweep multi30k").
 # DATA must hold multi30k/ and tinyshakespeare/. Where optuna is not installed, WHEELS names a folder of its wheels
 # (installed under /tmp for the sweep only). Each stage has its own time limit, so a slow stage costs its own numbers.
 set -u
@@ -19,6 +20,8 @@ PY=${PYTHON:-python3}
 DATA=${DATA:-../shared/data}
 TOTAL_S=${TOTAL_S:-560}
 M30_BUDGET_S=${M30_BUDGET_S:-150}
+STAGES=" ${STAGES:-tests throughput sweep multi30k} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 STUDY_GPU_RECORD="$OUT"
 
 sweep() {  # a two-point sweep through a real worker; $1: the launcher
@@ -44,16 +47,23 @@ EOF
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   $PY -c "import torch, lightning, transformers, tokenizers, sacrebleu; print('torch', torch.__version__, 'cuda', \
 torch.version.cuda, 'lightning', lightning.__version__, 'transformers', transformers.__version__)"
-  echo "== tests/test_gpu.py [${SECONDS}s]"
-  timeout 160 $PY -m pytest -q -p no:cacheprovider -rfE tests/test_gpu.py
-  echo "== bench/throughput.py --device cuda [${SECONDS}s]"
-  timeout 180 $PY bench/throughput.py --device cuda --sizes 5M,20M --out "$OUT/throughput.json"
-  echo "== study sweep, 2 trials [${SECONDS}s]"
-  if [ -n "${WHEELS:-}" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl
+  if want tests; then
+    echo "== tests/test_gpu.py [${SECONDS}s]"
+    timeout 200 $PY -m pytest -q -p no:cacheprovider -rfE tests/test_gpu.py
   fi
-  sweep fork || { echo "== the forking launcher failed; spawn [${SECONDS}s]"; sweep spawn; } \
-    || cp "$(find /tmp/gpu-sweep-*/results/runs -name trial.log | head -1)" "$OUT/sweep-trial.log"
+  if want throughput; then
+    echo "== bench/throughput.py --device cuda [${SECONDS}s]"
+    timeout 180 $PY bench/throughput.py --device cuda --sizes 5M,20M --out "$OUT/throughput.json"
+  fi
+  if want sweep; then
+    echo "== study sweep, 2 trials [${SECONDS}s]"
+    if [ -n "${WHEELS:-}" ]; then
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl
+    fi
+    sweep fork || { echo "== the forking launcher failed; spawn [${SECONDS}s]"; sweep spawn; } \
+      || cp "$(find /tmp/gpu-sweep-*/results/runs -name trial.log | head -1)" "$OUT/sweep-trial.log"
+  fi
+  want multi30k || { echo "== done [${SECONDS}s]"; exit 0; }
   left=$((TOTAL_S - SECONDS))
   budget=$((left - 100 < M30_BUDGET_S ? left - 100 : M30_BUDGET_S))
   echo "== Multi30k recipe, ${budget} s training budget [${SECONDS}s]"

@@ -7,17 +7,21 @@
   forward, backward and what follows in every step of a real run; inside backward only what torch's own embedding
   backward does on the build is allowed, measured beside it (none on torch 2.11). tests/test_step_ledger.py counts
   the same reads on a CPU, where nothing waits.
+  Under 16-mixed the GradScaler's overflow read is the one allowed per step (torch's, documented).
 - A float32 run trains its matmuls in TF32 and says so in env.json.
+- A run told `accelerator: cpu` on a GPU machine opens no CUDA context (it would take GPU memory for nothing).
 - A killed run resumes its CUDA dropout stream from its checkpoint: it logs the uninterrupted run's losses.
 
 Set STUDY_GPU_RECORD to a folder to have the kernel table and the syncs seen written there as JSON; the H200 run is in
-bench/results/gpu-2026-11-26/ and gpu-2026-11-27/ (bench/gpu_lease.sh runs this file with the other GPU checks).
+bench/results/gpu-2026-11-26/, gpu-2026-11-27/ and gpu-2026-11-28/ (bench/gpu_lease.sh runs this file with the other GPU checks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -204,8 +208,11 @@ def _embedding_backward_syncs() -> int:
     return _syncs(out.backward)
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
 def test_a_gpu_training_step_synchronizes_only_at_logging_steps(tmp_path, monkeypatch, precision):
+    """Under 16-mixed one read per step is torch's, not ours: the GradScaler asks whether the step overflowed
+    (`found_inf`) to decide whether to skip it, with the AdamW unfused so that gradients are unscaled before they are
+    clipped (docs/experiments.md). bf16-mixed and 32-true need no scaler."""
     write_corpus(tmp_path / "data")
     corpus = {"root": tmp_path, "data": tmp_path / "data", "cache": tmp_path / "cache"}
     monkeypatch.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, WatchesSyncs))
@@ -223,7 +230,10 @@ def test_a_gpu_training_step_synchronizes_only_at_logging_steps(tmp_path, monkey
     logging_steps = {s for s in range(12) if (s + 1) % 4 == 0 or s % 4 == 0}
     quiet = {s: v for s, v in WatchesSyncs.syncs_by_step.items() if s not in logging_steps}
     # ours and Lightning's: none; inside backward: only what torch's own embedding backward does on this build
-    assert quiet and all(v["forward"] == [] and v["after"] == [] for v in quiet.values()), quiet
+    scaler_reads = 1 if precision == "16-mixed" else 0
+    assert quiet and all(v["forward"] == [] for v in quiet.values()), quiet
+    assert all(len(v["after"]) == scaler_reads and all("grad_scaler" in w for w in v["after"])
+               for v in quiet.values()), quiet
     assert all(len(v["backward"]) == per_embedding * embeddings for v in quiet.values()), quiet
     env = json.loads((tmp_path / f"syncs-{precision}" / "env.json").read_text())
     assert env["device"] == torch.cuda.get_device_name(0)
@@ -302,3 +312,42 @@ def test_a_killed_gpu_run_resumes_the_cuda_dropout_stream_it_saved(tmp_path, mon
     resumed, unrestored = _resume_gaps(tmp_path, monkeypatch, "gpu", torch.cuda)
     _record("resume_gaps.json", {"resumed": resumed, "cuda_stream_not_restored": unrestored})
     assert resumed <= 1e-4 and unrestored > 100 * max(resumed, 1e-6), (resumed, unrestored)
+
+
+CPU_RUN = """
+import json, subprocess, sys, torch
+from pathlib import Path
+from study.run import run_experiment
+from tests.test_lm_task import make_cfg, write_corpus
+
+def used_mib():  # the whole GPU's, as nvidia-smi counts it: a context this process opens shows here
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[0])
+
+root = Path(sys.argv[1])
+write_corpus(root / "data")
+seen = {"before": used_mib()}
+cfg = make_cfg(train={"accelerator": "cpu", "max_steps": 12, "checkpoint_every": 6, "eval_every": 6})
+seen["status"] = run_experiment(cfg, root / "run", data_dir=root / "data", cache_dir=root / "cache")["status"]
+seen["after_run"], seen["cuda_initialized_after_run"] = used_mib(), torch.cuda.is_initialized()
+torch.cuda.get_rng_state_all()  # what Lightning's isolate_rng asks for where torch sees a GPU
+seen["after_get_rng_state_all"] = used_mib()
+torch.zeros(1, device="cuda")  # a context for certain: the measure sees one
+seen["after_a_cuda_tensor"] = used_mib()
+print(json.dumps(seen))
+"""
+
+
+def test_a_cpu_run_on_a_gpu_machine_takes_no_gpu_memory(tmp_path):
+    """A run told `accelerator: cpu` (a CPU sweep beside GPU trials, say) opens no CUDA context: in a fresh process it
+    trains, checkpoints, evaluates and writes its record, and the GPU's used memory (nvidia-smi's) has not grown,
+    where the same process's first CUDA tensor grows it by a context's worth."""
+    out = subprocess.run([sys.executable, "-c", CPU_RUN, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    _record("cpu_run_gpu_memory_mib.json", seen)
+    assert seen["status"] == "completed"
+    assert seen["after_a_cuda_tensor"] - seen["after_run"] > 100, seen  # the measure sees a context
+    assert seen["after_run"] - seen["before"] < 50, seen

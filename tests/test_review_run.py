@@ -116,3 +116,20 @@ def test_with_accumulation_checkpoints_are_written_every_checkpoint_every_steps(
     run(corpus, make_cfg(train={"max_steps": 12, "accumulate": 2, "eval_every": 3, "checkpoint_every": 6}),
         "accumulate-checkpoints")
     assert saved == [6, 12]
+
+
+def test_a_cpu_run_never_asks_for_the_cuda_generator_where_torch_sees_a_gpu(corpus, monkeypatch):
+    """On a GPU machine a CPU run (a sweep trial told `accelerator: cpu`, say) saved the CUDA stream in every checkpoint,
+    a stream it never drew from, initialising CUDA to read it. tests/test_gpu.py checks on a GPU that such a run
+    takes no GPU memory."""
+    asked = []
+
+    def get_rng_state(*args, **kwargs):
+        asked.append(args)
+        return torch.zeros(16, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
+    m = run(corpus, make_cfg(train={"accelerator": "cpu", "max_steps": 12, "checkpoint_every": 6, "eval_every": 6}),
+            "cpu-run-on-a-gpu-machine")
+    assert m["status"] == "completed" and asked == []

@@ -362,8 +362,10 @@ class StudyModule(L.LightningModule):
         # 0.1-0.5 s of torch.save for model and AdamW state) is not the step's training time (throughput)
         self._checkpoint_started = time.perf_counter()
         # the device this rank trains on; *_all would open a context on every visible GPU, and give a rank the state
-        # of a device it never used
-        streams = (torch.get_rng_state(), [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [])
+        # of a device it never used. A CPU run on a GPU machine saves none: it never drew from that stream, and asking
+        # initialises CUDA in the process (no context: 4 MiB of the GPU, bench/results/gpu-2026-11-28)
+        on_cuda = self.trainer.strategy.root_device.type == "cuda"
+        streams = (torch.get_rng_state(), [torch.cuda.get_rng_state()] if on_cuda else [])
         by_rank = [streams]
         if self.trainer.world_size > 1:  # every rank saves (a collective in Lightning), rank zero writes
             by_rank = [None] * self.trainer.world_size
