@@ -12,8 +12,9 @@
 - A run told `accelerator: cpu` on a GPU machine opens no CUDA context (it would take GPU memory for nothing).
 - A killed run resumes its CUDA dropout stream from its checkpoint: it logs the uninterrupted run's losses.
 
-Set STUDY_GPU_RECORD to a folder to have the kernel table and the syncs seen written there as JSON; the H200 run is in
-bench/results/gpu-2026-11-26/, gpu-2026-11-27/ and gpu-2026-11-28/ (bench/gpu_lease.sh runs this file with the other GPU checks).
+Set STUDY_GPU_RECORD to a folder to have the kernel table and the syncs seen written there as JSON; the H200 runs are
+in bench/results/gpu-2026-11-26/, gpu-2026-11-27/ and gpu-2026-11-28/ (bench/gpu_lease.sh runs this file with the
+other GPU checks).
 """
 
 from __future__ import annotations
