@@ -76,3 +76,19 @@ def test_a_trial_on_two_devices_trains_twice_the_tokens_per_step():
     cfg = load_experiment(REPO / "experiments" / "ablation_base.yaml")
     two = cfg.replace(train=cfg.train.replace(devices=2, strategy="ddp"))
     assert training_flops(two) == 2 * training_flops(cfg)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_dry_run_of_bf16_trials_on_a_cpu_that_emulates_bf16_warns_that_its_time_is_far_too_low(monkeypatch, native):
+    """multi30k_warmup_gqa trains in bf16-mixed on the CPU; the time printed is at this machine's float32 matmul rate,
+    which an AVX2 CPU's emulated bf16 reaches only about 1/100th of."""
+    import study.model.precision as precision
+    from study.sweep.plan import describe
+
+    monkeypatch.setattr(precision, "native_bf16", lambda accelerator="auto": native)
+    plan = expand(*load_spec(SWEEPS / "multi30k_warmup_gqa.yaml"))
+    cost = estimate(plan)  # this machine's rate: the trials would run here
+    text = describe(plan, cost)
+    assert ("WARNING: train.precision bf16-mixed on this CPU" in text) is not native, text
+    assert "--set train.precision=32-true" in text or native
+    assert estimate(plan, rate_flops=1e12)["emulated_bf16"] is None  # --peak-flops: the rate of another machine

@@ -133,3 +133,18 @@ def test_a_cpu_run_never_asks_for_the_cuda_generator_where_torch_sees_a_gpu(corp
     m = run(corpus, make_cfg(train={"accelerator": "cpu", "max_steps": 12, "checkpoint_every": 6, "eval_every": 6}),
             "cpu-run-on-a-gpu-machine")
     assert m["status"] == "completed" and asked == []
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bf16_run_on_a_cpu_that_emulates_bf16_says_so_before_it_trains(corpus, monkeypatch, native):
+    import warnings
+
+    import study.model.precision as precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda accelerator="auto": native)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run(corpus, make_cfg(train={"precision": "bf16-mixed", "max_steps": 2, "eval_every": 2}), f"bf16-{native}")
+    said = [str(w.message) for w in seen if "emulates bf16" in str(w.message)]
+    assert len(said) == (0 if native else 1), said
+    assert native or "train.precision bf16-mixed" in said[0] and "32-true" in said[0]

@@ -10,13 +10,14 @@ Task families declare hooks (`study.tasks.contract`) and never import this packa
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from study.config import ExperimentConfig, PipelineConfig
-from study.model.precision import resolve_precision
+from study.model.precision import emulated_bf16, resolve_precision
 from study.run.conflict import RunDirConflict
 
 __all__ = ["RunDirConflict", "load_model", "refuse_unreadable_config", "run_experiment"]
@@ -43,6 +44,8 @@ def run_experiment(
 
         return run_pipeline(cfg, run_dir, data_dir=data_dir, cache_dir=cache_dir, force=force, stage_root=stage_root)
     cfg = cfg.replace(train=cfg.train.replace(precision=resolve_precision(cfg.train.precision, cfg.train.accelerator)))
+    if why := emulated_bf16(cfg.train.precision, cfg.train.accelerator):
+        warnings.warn(f"study: {why}; train.precision 32-true (or auto) trains at the float32 rate", stacklevel=2)
     task = family(cfg.task.name)
     cfg = task.resolve(cfg)  # init_from problems surface here, before any data or training
     if task.suite:

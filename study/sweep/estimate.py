@@ -130,7 +130,7 @@ def estimate(plan: "Plan", rate_flops: float | None = None, workers: int = 1, th
     each run's FLOPs at the matmul rate one trial's threads reach, times an assumed utilisation (no time, and
     `not_timed` says why, for trials on an accelerator without `rate_flops`). A pipeline's earlier
     stages are counted once per run directory they train in, as they run (`_runs`)."""
-    from study.model.precision import trains_on_cpu
+    from study.model.precision import emulated_bf16, trains_on_cpu
 
     runs = _runs(plan)
     # this machine's CPU rate says nothing about a GPU's (orders of magnitude apart): without the rate of the
@@ -149,7 +149,10 @@ def estimate(plan: "Plan", rate_flops: float | None = None, workers: int = 1, th
             "not_timed": (f"the trials train on train.accelerator={'/'.join(elsewhere)}, and this machine's CPU "
                           "matmul rate says nothing about it" if rate is None else None),
             "length_basis": "upper bound" if bounded else "exact",
-            "upper_bound_points": [p.label for p in bounded], "upper_bound_tasks": list(dict.fromkeys(tasks))}
+            "upper_bound_points": [p.label for p in bounded], "upper_bound_tasks": list(dict.fromkeys(tasks)),
+            # the rate is this machine's float32 one: bf16 runs here would be far slower than the time says
+            "emulated_bf16": next((why for run in runs if rate_flops is None
+                                   and (why := emulated_bf16(run.train.precision, run.train.accelerator))), None)}
 
 
 def _runs(plan: "Plan") -> list[ExperimentConfig]:
