@@ -215,7 +215,29 @@ def test_a_suite_parts_own_data_error_names_the_part(tmp_path, monkeypatch):
     if not (data / "glue" / "WNLI").is_dir():
         pytest.skip("real GLUE data not found")
     with pytest.raises(DataError, match=r"g: part WNLI/seed0: vocab_size=8000 is more than this data yields"):
-        study.run.suite.run_suite(cfg, tmp_path / "g", data_dir=data)
+        study.run.suite.run_suite(cfg, tmp_path / "g", data_dir=data, cache_dir=tmp_path / "cache")
+
+
+def test_a_suite_refuses_a_vocabulary_a_later_task_cannot_fill_before_its_first_part_trains(tmp_path, monkeypatch):
+    """From scratch, each task trains its own tokenizer: RTE's text fills 4,000 WordPiece tokens, WNLI's cannot. The
+    suite found out only when it reached WNLI, after RTE had trained; every part's tokenizer is trained (into the
+    cache its run reads back) before the first part runs."""
+    import study.run.suite
+    from study.tasks.data import DataError
+
+    trained = []
+    monkeypatch.setattr(study.run.suite, "run_single", lambda cfg, run_dir, **kw: trained.append(run_dir))
+    cfg = ExperimentConfig.from_dict({"name": "g", "model": {"arch": "encoder", "objective": "mlm"},
+                                      "task": {"name": "glue", "dataset": "glue", "glue_tasks": ["rte", "wnli"],
+                                               "vocab_size": 4000}})
+    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if not (data / "glue" / "WNLI").is_dir() or not (data / "glue" / "RTE").is_dir():
+        pytest.skip("real GLUE data not found")
+    with pytest.raises(DataError, match=r"g: part WNLI/seed0: vocab_size=4000 is more than this data yields"):
+        study.run.suite.run_suite(cfg, tmp_path / "g", data_dir=data, cache_dir=tmp_path / "cache")
+    assert trained == []
+    cached = [p for p in (tmp_path / "cache" / "tokenizers").glob("wordpiece-4000-*.json") if ".meta" not in p.name]
+    assert len(cached) == 1  # RTE's, which its run reads back
 
 
 def test_a_comparison_without_paired_tests_says_so_instead_of_dividing_by_zero():

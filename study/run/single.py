@@ -126,11 +126,16 @@ def default_cache_dir(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else Path(os.environ.get("STUDY_CACHE_DIR", ".cache/study"))
 
 
+def data_module(cfg: ExperimentConfig, data_dir, cache_dir):
+    """The task's DataModule for `cfg`, not yet prepared (tokenizers cached under the cache folder's tokenizers/)."""
+    DataModule, _ = family(cfg.task.name).implementation()
+    return DataModule(cfg, data_dir=data_dir, cache_dir=default_cache_dir(cache_dir) / "tokenizers")
+
+
 def _prepare_data(cfg: ExperimentConfig, data_dir, cache_dir):
     """The task's DataModule, prepared (data and tokenizer errors surface here, before any model is built), and
     the config with the model fields the data decides (vocabulary size, padding id) filled in."""
-    DataModule, _ = family(cfg.task.name).implementation()
-    dm = DataModule(cfg, data_dir=data_dir, cache_dir=default_cache_dir(cache_dir) / "tokenizers")
+    dm = data_module(cfg, data_dir, cache_dir)
     dm.prepare()
     return dm, cfg.replace(model=cfg.model.replace(**dm.model_overrides()))
 

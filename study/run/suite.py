@@ -12,6 +12,7 @@ scratch (`study.run.single.replaced_start`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from study.io import atomic_write_json, atomic_write_text, read_json_or_none
 from study.model.accounting import parameter_count
 from study.record import COMPLETED, COSTS, DIVERGED, RunDir, make_record, stopped_by_any
 from study.run.conflict import finished_run, handed_back
-from study.run.single import discard_result, launch_rank, replaced_start, run_single
+from study.run.single import data_module, discard_result, launch_rank, replaced_start, run_single
 from study.tasks import family
 from study.tasks.data.errors import DataError
 
@@ -57,6 +58,10 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
         return handed_back(run, done)
     started = time.time()
     parts = task.sub_runs(cfg, data_dir)  # data problems (a missing task) surface here, before any training
+    for part in parts:  # and each part's own (its DataModule's check: a vocabulary its text cannot fill)
+        if part.skip_reason is None:
+            with _named(cfg, part):
+                data_module(part.config, data_dir, cache_dir).check()
     prepare_training_process(cfg.train.accelerator)  # as its parts will: env.json records what they train with
     writes = launch_rank() == 0  # under DDP every rank runs the parts (each part's ranks wait for its record)
     if force or replaced:  # after the data checks: a bad input never costs the old record (discard_result says why)
@@ -71,13 +76,9 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
             results[part.path] = {"skipped": part.skip_reason}
             continue
         log.info("%s: %s", cfg.name, part.path)
-        try:
+        with _named(cfg, part):
             results[part.path] = run_single(part.config, run.sub(part.path).path, data_dir=data_dir,
                                             cache_dir=cache_dir, force=force, declared=task.declared(part=True))
-        except DataError as err:  # (its own data: a vocabulary its training text cannot fill) named by its part
-            if type(err) is not DataError:
-                raise
-            raise DataError(f"{cfg.name}: part {part.path}: {err}") from None
     if writes:
         atomic_write_json(run.data, {"parts": {p: read_json_or_none(run.sub(p).data) for p, r in results.items()
                                                if "skipped" not in r},
@@ -92,6 +93,17 @@ def run_suite(cfg: ExperimentConfig, run_dir: str | Path, data_dir: str | Path |
     if writes:
         run.write(record)
     return record
+
+
+@contextlib.contextmanager
+def _named(cfg: ExperimentConfig, part):
+    """A part's own data problem (a vocabulary its training text cannot fill), named by the part."""
+    try:
+        yield
+    except DataError as err:
+        if type(err) is not DataError:
+            raise
+        raise DataError(f"{cfg.name}: part {part.path}: {err}") from None
 
 
 def _combined_record(cfg: ExperimentConfig, task, results: dict[str, dict[str, Any]], wall: float) -> dict:

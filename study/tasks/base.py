@@ -553,6 +553,11 @@ class StudyDataModule(L.LightningDataModule):
         self.cfg = cfg
         self.train_stream: StepIndexedBatches | None = None
 
+    def check(self) -> None:
+        """What would stop `prepare` that can be found cheaply, for a suite to call on every part before its first
+        part trains (a part that cannot run is then refused before the parts before it spend their training).
+        Default: nothing; `prepare` finds every problem when the run starts."""
+
     # The data position is the optimizer step; Lightning stores this in every checkpoint.
     def state_dict(self) -> dict[str, Any]:
         step = self.trainer.global_step if self.trainer is not None else 0

@@ -72,10 +72,7 @@ class GlueDataModule(StudyDataModule):
             self.tokenizer = pretrained_tokenizer(task.init_from)
             origin = {**started_from(task.init_from), "pretrained_weights": task.pretrained_weights}
         else:
-            texts = [t for e in self.data[self.info.train_split] for t in (e.text_a, e.text_b) if t]
-            fp = {"glue": self.data.fingerprint, "split": self.info.train_split}
-            self.tokenizer = build_tokenizer(task.tokenizer, texts, task.vocab_size, SPECIALS, self.cache_dir, fp,
-                                             lowercase=task.lowercase)
+            self.tokenizer = self._new_tokenizer(self.data)
             origin = {"init_from": None}
         counted = {split: [encode_and_count(self.tokenizer, e.text_a, e.text_b, task.seq_len) for e in examples]
                    for split, examples in self.data.splits.items()}
@@ -91,6 +88,20 @@ class GlueDataModule(StudyDataModule):
                             "examples": {k: len(v) for k, v in self.encoded.items()},
                             "unavailable_splits": list(self.data.unavailable_splits)}
         self.train_stream = StepIndexedBatches(self._train_batch)
+
+    def check(self) -> None:
+        """From scratch, the task's tokenizer is trained here, into the cache its `prepare` reads back: a suite finds a
+        vocabulary one task's text cannot fill (WNLI's 2,787 words) before its first part trains, not after every
+        part before that task has. A pretrained tokenizer was checked when the config was resolved."""
+        if self.cfg.task.init_from is None:
+            self._new_tokenizer(load_glue(self.info.name, self.data_dir))
+
+    def _new_tokenizer(self, data):
+        task = self.cfg.task
+        texts = [t for e in data[self.info.train_split] for t in (e.text_a, e.text_b) if t]
+        fp = {"glue": data.fingerprint, "split": self.info.train_split}
+        return build_tokenizer(task.tokenizer, texts, task.vocab_size, SPECIALS, self.cache_dir, fp,
+                               lowercase=task.lowercase)
 
     def model_overrides(self) -> dict[str, Any]:
         return {"vocab_size": self.tokenizer.vocab_size, "pad_token_id": PAD}
