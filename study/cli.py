@@ -71,6 +71,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from study.run import RunDirConflict, run_experiment
     from study.tasks.data import DataError
 
+    _say_progress()
     out = Path(args.out) if args.out else Path("runs") / cfg.name
     if not args.out and (problems := _out_dir_problems("run directory", str(out))):
         print("study run: " + "; ".join(problems) + "; give --out DIR", file=sys.stderr)
@@ -89,6 +90,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     summary = {k: v for k, v in metrics["metrics"].items() if not isinstance(v, dict)}
     print(json.dumps({"run_dir": str(out), "status": metrics["status"], "steps": metrics["steps"], **summary}, indent=2))
     return 0
+
+
+def _say_progress() -> None:
+    """study's own INFO lines on stderr (a finished run handed back, a suite's or a pipeline's next part), as a
+    sweep prints its trials; other libraries' loggers keep their levels."""
+    import logging
+
+    logger = logging.getLogger("study")
+    handler = next((h for h in logger.handlers if getattr(h, "study_progress", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler()
+        handler.study_progress = True
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    handler.setStream(sys.stderr)  # this call's (a caller in the same process may have replaced it since)
 
 
 def _held(run_dir: Path):

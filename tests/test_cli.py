@@ -150,10 +150,11 @@ def test_run_trains_and_prints_a_summary(workdir, capsys):
     assert saved["train"]["lr"] == 2e-3 and saved["model"]["position"] == "rope"
     assert not Path(workdir / "runs").exists()  # --out was used, not the default
 
-    # the same command again: the finished run is not repeated; a different config conflicts
+    # the same command again: the finished run is not repeated, and says so; a different config conflicts
     assert main(["run", str(workdir / "exp.yaml"), "--set", "train.lr=2e-3", "--set", "model.position=rope",
                  "--data-dir", str(workdir / "data"), "--out", str(workdir / "run")]) == 0
     assert json.loads((workdir / "run" / "metrics.json").read_text()) == metrics
+    assert f"{workdir / 'run'} already finished (completed); nothing to do" in capsys.readouterr().err
     capsys.readouterr()
     assert main(["run", str(workdir / "exp.yaml"), "--data-dir", str(workdir / "data"),
                  "--out", str(workdir / "run")]) == 2

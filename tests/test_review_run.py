@@ -148,3 +148,18 @@ def test_a_bf16_run_on_a_cpu_that_emulates_bf16_says_so_before_it_trains(corpus,
     said = [str(w.message) for w in seen if "emulates bf16" in str(w.message)]
     assert len(said) == (0 if native else 1), said
     assert native or "train.precision bf16-mixed" in said[0] and "32-true" in said[0]
+
+
+def test_a_run_prints_no_lightning_advertisement(corpus):
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(str(record.msg))
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        run(corpus, make_cfg(train={"max_steps": 2, "eval_every": 2}), "no-tips")
+    finally:
+        logger.removeHandler(handler)
+    assert seen and not any("Tip" in m for m in seen), seen  # (its other lines still reach the handler)

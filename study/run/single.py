@@ -177,8 +177,16 @@ def _loggers(run: RunDir, cfg: ExperimentConfig, resume_from: Path | None) -> li
     return loggers
 
 
+def _no_tips(record: logging.LogRecord) -> bool:
+    """Lightning advertises its cloud products (litlogger, litmodels) at every Trainer it builds: a line in every
+    run's output, and in every part of a suite."""
+    return not str(record.msg).startswith("💡 Tip")
+
+
 def _trainer(run: RunDir, cfg: ExperimentConfig, loggers: list):
     import lightning as L
+
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_tips)
 
     from study.tasks.base import ExponentialMovingAverage, SyncedTimer
 
