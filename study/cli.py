@@ -305,10 +305,14 @@ def _cmd_axes(args: argparse.Namespace) -> int:
 def _cmd_presets(args: argparse.Namespace) -> int:
     from study.config import PRESETS, preset
 
+    # the columns are model fields (a preset sets them; `--set model.<field>=...` changes one), but attention: MHA,
+    # GQA or MQA as model.n_kv_heads makes it
+    row = "{:8s} {:16s} {:13s} {:9s} {:10s} {:10s} {:9s} {}"
+    print(row.format("preset", "arch", "norm_position", "norm", "position", "activation", "attention", "window"))
     for name in PRESETS:
         cfg = preset(name)
-        print(f"{name:8s} {cfg.arch:16s} {cfg.norm_position:5s} {cfg.norm:9s} {cfg.position:10s} "
-              f"{cfg.activation:9s} {cfg.attention_kind} window={cfg.window}")
+        print(row.format(name, cfg.arch, cfg.norm_position, cfg.norm, cfg.position, cfg.activation,
+                         cfg.attention_kind, "null" if cfg.window is None else str(cfg.window)))
     return 0
 
 
