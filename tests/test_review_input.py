@@ -245,3 +245,17 @@ def test_a_comparison_without_paired_tests_says_so_instead_of_dividing_by_zero()
 
     assert "0.05/0" not in holm_sentence(0) and "No paired test was made" in holm_sentence(0)
     assert "0.05/3, the next with 0.05/2" in holm_sentence(3)
+
+
+def test_the_status_table_keeps_its_columns_under_long_point_labels():
+    import pandas as pd
+
+    from study.sweep.results import summary
+
+    labels = ["norm_position=pre,warmup=with,attention=mha", "baseline"]
+    df = pd.DataFrame({"label": [labels[0], labels[0], labels[1]], "status": ["completed", "queued", "completed"],
+                       "metric.bleu": [19.0, None, 18.0]})
+    header, *rows = summary(df, "bleu").splitlines()
+    # every row's status text starts under the header's "status", the long label's row too
+    assert rows[0].index("completed 1, queued 1") == rows[1].index("completed 1") == header.index("status"), rows
+    assert [r.split()[0] for r in rows] == labels

@@ -384,12 +384,13 @@ def tuning_table(sweep_dir: str | Path):
 def summary(df, metric: str) -> str:
     """Mean, standard deviation and count of the objective per point, in the plan's order."""
     col = f"metric.{metric}"
-    lines = [f"{'point':<28} {'n':>2} {'done':>4} {metric:>12} {'sd':>8}  status"]
+    width = max([28, *(len(str(label)) for label in df["label"].unique())]) if "label" in df else 28
+    lines = [f"{'point':<{width}} {'n':>2} {'done':>4} {metric:>12} {'sd':>8}  status"]
     for label, group in df.groupby("label", sort=False):
         done = group[group.status.isin(FINISHED)]
         values = done[col].dropna() if col in done else []
         mean = f"{values.mean():.4f}" if len(values) else "-"
         sd = f"{values.std(ddof=1):.4f}" if len(values) > 1 else "-"
         states = ", ".join(f"{k} {v}" for k, v in group.status.value_counts().items())
-        lines.append(f"{label:<28} {len(group):>2} {len(done):>4} {mean:>12} {sd:>8}  {states}")
+        lines.append(f"{label:<{width}} {len(group):>2} {len(done):>4} {mean:>12} {sd:>8}  {states}")
     return "\n".join(lines)
