@@ -219,7 +219,7 @@ def measure_activations(rounds: int, steps: int) -> dict:
     results = {}
     for shape in ACTIVATION_SHAPES:
         for autocast in (False, True):
-            key = f"{'x'.join(map(str, shape))} {'bf16' if autocast else 'fp32'}"
+            key = f"{'x'.join(map(str, shape))} {precision_label(autocast, 'bf16')}"
             rows = {}
             for name, (_, fns) in activation_fns(shape, autocast).items():
                 timed = time_alternating(fns, rounds, 10 * steps)
@@ -325,10 +325,18 @@ def measure_loss(rounds: int, steps: int) -> dict:
     results = {}
     for shape in LOSS_SHAPES:
         for autocast in (False, True):
-            key = "{} rows, d {}, vocab {}, {}".format(*shape, "bf16 autocast" if autocast else "fp32")
+            key = "{} rows, d {}, vocab {}, {}".format(*shape, precision_label(autocast))
             results[key] = timed_table(f"loss, forward + backward, {key} (ratios to the plain loss)",
                                        loss_fns(loss_inputs(*shape), autocast), rounds, steps)
     return results
+
+
+def precision_label(autocast: bool, bf16: str = "bf16 autocast") -> str:
+    """A table's precision, "(emulated)" where this CPU has no native bf16: those timings are of torch's emulation
+    (about 100x slower matmuls on an AVX2 CPU), not of the kernels a bf16 run would use where bf16 is native."""
+    from study.model.precision import native_bf16
+
+    return "fp32" if not autocast else bf16 + ("" if native_bf16("cpu") else " (emulated)")
 
 
 def machine(threads: int) -> dict:
@@ -366,7 +374,7 @@ def measure_kernels(rounds: int, steps: int) -> dict:
     results = {}
     for shape in KERNEL_SHAPES:
         for autocast in (False, True):
-            key = f"{'x'.join(map(str, shape))} {'bf16 autocast' if autocast else 'fp32'}"
+            key = f"{'x'.join(map(str, shape))} {precision_label(autocast)}"
             results[key] = timed_table(f"norm kernels, forward + backward, {key} (ratios to LayerNorm)",
                                        kernel_fns(shape, autocast), rounds, 10 * steps)
     return results

@@ -69,3 +69,12 @@ def test_each_attention_contestant_runs_the_path_it_names(causal):
         assert ("study_attention_grad::score_grad_" in ran) == (name == "ours"), name
         assert ("_CpuShortAttentionBackward" in ran) == name.startswith("ours"), name
         assert attention.eager_cpu_ops.__name__ == "eager_cpu_ops"
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bf16_table_on_a_cpu_that_emulates_bf16_says_so(monkeypatch, native):
+    import study.model.precision as precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda accelerator="auto": native)
+    assert axis_cost.precision_label(False) == "fp32"
+    assert axis_cost.precision_label(True) == ("bf16 autocast" if native else "bf16 autocast (emulated)")
