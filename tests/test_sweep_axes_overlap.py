@@ -51,6 +51,22 @@ def test_a_conditional_axis_may_refine_only_the_field_of_the_axis_its_condition_
     assert "axes.attention and axes.kv both set model.n_kv_heads" in text
 
 
+@pytest.mark.parametrize("design", ["grid", "ofat"])
+def test_a_conditional_axis_that_refines_values_which_differ_in_its_field_is_refused(tmp_path, design):
+    """`window` when `span: [global, local]` replaced global's null window too: the "global" baseline trained with a
+    window and span=local was skipped as its duplicate, so the sweep had no global-attention point at all."""
+    text = refused(tmp_path, **LM, design=design, axes={
+        "span": {"global": {"model.window": None}, "local": {"model.window": 4}},
+        "window": {"field": "model.window", "values": [4, 8], "when": {"span": ["global", "local"]}}})
+    assert "axes.window refines axes.span where it is global, local, which set model.window differently " \
+           "(global: none, local: 4)" in text
+    # values that agree in the field may share a refinement
+    plan = plan_of(tmp_path, **LM, design="grid", axes={
+        "span": {"local": {"model.window": 4}, "local_rms": {"model.window": 4, "model.norm": "layernorm"}},
+        "window": {"field": "model.window", "values": [4, 8], "when": {"span": ["local", "local_rms"]}}})
+    check(plan)
+
+
 def test_one_field_spelled_two_ways_in_a_study_in_stages_is_refused(tmp_path):
     """In a study in stages `model.nsp` is the first stage's (`pretrain.model.nsp`): the same field, however spelled."""
     spec = yaml.safe_load((EXPERIMENTS / "sweeps" / "nsp_glue.yaml").read_text())

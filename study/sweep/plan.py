@@ -296,7 +296,25 @@ def _shared_fields(by_axis: dict[str, dict[str, Any]], by_name: dict[str, Axis],
                                 f"them: {second}'s value would replace {first}'s, so {first}'s label would not be what "
                                 f"ran; make them one axis of named variants, or make {second} conditional on {first} "
                                 f"(`when: {{{first}: ...}}`)")
+            elif shared:
+                problems += _collapsed_refinement(by_name[first], by_name[second], shared)
     return problems
+
+
+def _collapsed_refinement(first: Axis, second: Axis, shared: list[str]) -> list[str]:
+    """A conditional axis that refines several values of the axis it names, values that differ in the field it sets
+    (`window` when `span: [global, local]`): its value replaces theirs, so they would train one model under
+    different labels (the "global" points with a window)."""
+    refined = [label for label in second.when[first.name] if label in first.values]
+    out = []
+    for field in shared:
+        given = {label: first.values[label].get(field) for label in refined}
+        if len({repr(v) for v in given.values()}) > 1:
+            out.append(f"axes.{second.name} refines axes.{first.name} where it is {', '.join(refined)}, which set "
+                       f"{field} differently ({', '.join(f'{k}: {label_of(v)}' for k, v in given.items())}): "
+                       f"{second.name}'s value replaces them all, so those points would train one model under "
+                       f"different labels; condition {second.name} on the values that share its meaning")
+    return out
 
 
 def _point_problems(cfg: ExperimentConfig | PipelineConfig) -> list[str]:
