@@ -376,3 +376,28 @@ def test_a_worker_is_judged_gone_by_its_pid_only_in_this_process_s_pid_namespace
     assert _gone_from_this_host(f"{_host()}:{gone.pid}")
     assert not _gone_from_this_host(f"{socket.gethostname()}:{gone.pid}")  # the same hostname, another namespace
     assert TrialQueue(optuna.storages.InMemoryStorage(), "s").worker == f"{_host()}:{os.getpid()}"
+
+
+def test_a_trial_killed_with_its_sweep_three_times_runs_again_as_a_first_attempt():
+    """Each kill -9, reboot or preemption of a running `study sweep` left its trial RUNNING; the next invocation's
+    worker reaped it as a failed attempt, so with max_retries 2 the third such kill failed the trial for good, unrun.
+    A new invocation fails what nothing runs without counting it, and queues it again from its first attempt."""
+    from study.sweep.queue import TrialSpec, _host
+
+    storage = optuna.storages.InMemoryStorage()
+    spec = TrialSpec(key="p-s0", point="p", seed=0, label="baseline")
+    queue = TrialQueue(storage, "s", max_retries=2)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    queue.sync([spec])
+    for _ in range(3):  # three invocations, each killed while its trial ran
+        with queue.lock():
+            queue.sync_anew_locked([spec], {})
+        claimed = queue.claim({"p-s0"})
+        assert claimed is not None
+        storage.set_trial_user_attr(claimed.trial_id, "worker", f"{_host()}:{dead.pid}")
+    with queue.lock():
+        queue.sync_anew_locked([spec], {})
+    assert queue.reap() == []  # nothing left for the worker's reaper to count
+    again = queue.claim({"p-s0"})
+    assert again is not None and storage.get_trial(again.trial_id).user_attrs["attempt"] == 1

@@ -347,6 +347,16 @@ class TrialQueue:
                 lost.append((t, "its worker process is gone" if dead_here else _stale_reason(now - beat, worker)))
         return lost
 
+    def sync_anew_locked(self, specs: list[TrialSpec], finished: dict[str, float | None]) -> dict[str, int]:
+        """What a new `study sweep` does first, holding `lock()`: the RUNNING trials nothing runs (a sweep killed
+        with them: kill -9, a reboot, a preemption) are failed without counting against their retries, then every
+        failed or missing trial is queued again from its first attempt (`sync_locked`), as an interrupted sweep's
+        are. Left to the workers' reaper, each such kill spent an attempt, and the third failed the trial unrun."""
+        for t, _ in self.lost_running():
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):  # (another worker's reaper won)
+                self._fail(t._trial_id, retrying=False)
+        return self.sync_locked(specs, finished, retry_failed=True, verify_files=True)
+
     def reap_lost(self) -> int:
         """Fail and re-queue RUNNING trials whose worker is gone; returns how many this call won."""
         return len(self.reap())

@@ -110,7 +110,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     keys = all_keys(plan_data)
     finished = finished_results(layout, specs, plan.metric)
     with queue.lock():
-        added = queue.sync_locked(retryable(specs, plan_data, tuned), finished, retry_failed=True, verify_files=True)
+        added = queue.sync_anew_locked(retryable(specs, plan_data, tuned), finished)
         if plan_data.get("tune"):  # tuning that ended while no worker could settle it (a kill)
             settle_tuning_locked(queue, layout, plan_data, [p["point"] for p in plan_data["points"]])
     counts = queue.counts(keys)
