@@ -93,3 +93,22 @@ def test_per_glue_task_verdicts_follow_the_declared_direction_of_the_task_score(
     per_task = md[md.index("### Per GLUE task"):]
     paired = per_task[per_task.index("| task | variant | pairs | Δ score"):].split("\n\n")[0]
     assert paired.count("**better**") == len(GLUE_TASKS) and "**worse**" not in paired
+
+
+@pytest.mark.parametrize("csv_only", [False, True])
+def test_an_off_plan_trial_never_takes_the_planned_variants_place_in_the_per_axis_figures(tmp_path, csv_only):
+    """Baseline seed 0 ran norm=layernorm: its row came first and stood for "layernorm" in every per-axis figure,
+    where the planned three-seed point norm=layernorm vanished."""
+    r = load_results(_sweep_with_baseline_off_plan(tmp_path / "s", seeds_off=(0,), csv_only=csv_only))
+    assert r.axis_labels("norm") == [("rmsnorm", "baseline"), ("layernorm", "norm=layernorm")]
+
+
+def test_axis_values_read_from_results_csv_are_the_plans_labels(tmp_path):
+    """Without results.parquet the table is read from results.csv, whose type guessing read `true` as True: the
+    baseline's value matched no plan value, and it was no longer first in its axis's figure."""
+    root = make_nsp_glue_sweep(tmp_path / "s")
+    from_parquet = load_results(root)
+    (root / "results.parquet").unlink()
+    from_csv = load_results(root)
+    assert list(from_csv.table["axis.nsp"]) == list(from_parquet.table["axis.nsp"])
+    assert from_csv.axis_labels("nsp") == [("true", "baseline"), ("false", "nsp=false")]

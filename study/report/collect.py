@@ -320,7 +320,7 @@ class SweepResults:
             return []
         base = self.baseline_values()
         others = [a for a in self.axes if a != axis and f"axis.{a}" in self.table]
-        rows = self.table.drop_duplicates("label")
+        rows = self.table[~ran_off_plan(self.table)].drop_duplicates("label")  # (an off-plan trial ran another point)
         found: dict[str, str] = {}
         for _, row in rows.iterrows():
             if all(str(row[f"axis.{a}"]) == base.get(a) for a in others):
@@ -601,10 +601,17 @@ def _read_table(path: Path, root: Path) -> tuple[pd.DataFrame | None, str]:
         if not f.is_file():
             continue
         try:
-            return (pd.read_parquet(f) if f.suffix == ".parquet" else pd.read_csv(f, keep_default_na=True)), f.name
+            return (pd.read_parquet(f) if f.suffix == ".parquet" else _read_csv(f)), f.name
         except Exception:  # a parquet being rewritten by a running sweep: fall back to the CSV
             continue
     return None, ""
+
+
+def _read_csv(path: Path) -> pd.DataFrame:
+    """results.csv with its axis values as written, the plan's labels: type guessing read `true` as True and `4`
+    as 4.0 beside an n/a (labels that then matched no plan value), and `n/a` itself as missing."""
+    axes = [c for c in pd.read_csv(path, nrows=0).columns if c.startswith("axis.")]
+    return pd.read_csv(path, converters={c: (lambda v: v or None) for c in axes})
 
 
 def _normalise(table: pd.DataFrame) -> pd.DataFrame:
