@@ -169,6 +169,14 @@ def test_a_size_not_known_is_never_called_the_same_size():
     assert text == "same metric variant, split and model variant; size not known on both sides"
     _, known = comparability(_ours("sacrebleu:13a:cased", 60e6), _published("sacrebleu:13a:cased", 65))
     assert known == "same metric variant, split, model variant and size"
+    from study.report.compare import compare_numbers
+
+    unknown = _published("sacrebleu:13a:cased", math.nan)
+    unknown = pd.concat([unknown, pd.Series({"match": "wmt14:en-de:bleu", "train_flops": math.nan, "value": 27.0,
+                                             "value_printed": "27.0", "id": "x", "citation": "a paper",
+                                             "table": "Table 1", "model": "big"})])
+    rows = compare_numbers([_ours("sacrebleu:13a:cased", 60e6)], pd.DataFrame([unknown]))
+    assert rows["same_size"].isna().all()  # compare.csv: not True beside size_ratio unknown
 
 
 def test_a_lowercased_or_cut_word_vocabulary_is_another_perplexity_variant_than_the_published_full_text():

@@ -103,10 +103,11 @@ def _size(m: Measurement, pub: pd.Series) -> float:
     return m.params / theirs if m.params and math.isfinite(m.params) and theirs > 0 else math.nan
 
 
-def _same_size(m: Measurement, pub: pd.Series) -> bool:
-    """Within SIZE_FACTOR in parameters, or not known on both sides (then the sentence says so)."""
+def _same_size(m: Measurement, pub: pd.Series) -> bool | None:
+    """Within SIZE_FACTOR in parameters; None where a side's size is not known (the size rule then does not apply,
+    and the sentence says so: compare.csv's same_size is left empty, never True)."""
     size = _size(m, pub)
-    return not math.isfinite(size) or 1 / SIZE_FACTOR <= size <= SIZE_FACTOR
+    return None if not math.isfinite(size) else 1 / SIZE_FACTOR <= size <= SIZE_FACTOR
 
 
 def _same_metric_variant(m: Measurement, pub: pd.Series) -> bool:
@@ -206,9 +207,9 @@ def comparability(m: Measurement, pub: pd.Series) -> tuple[bool, str]:
     setting, notes = _setting_differences(m, pub)
     parts += setting
     same_size, pub_params = _same_size(m, pub), _published_params(pub)
-    if not same_size:
+    if same_size is False:
         parts.append(f"different size (parameters ours/published {_ratio(m.params, pub_params)})")
-    comparable = same_variant and same_split and same_model and same_size and not setting
+    comparable = same_variant and same_split and same_model and same_size is not False and not setting
     size_known = math.isfinite(_size(m, pub))
     notes += [] if size_known else ["size not known on both sides"]
     if "community" in str(pub["verification"]).lower():
