@@ -205,3 +205,17 @@ def test_a_best_variant_beside_published_numbers_is_said_to_be_chosen_on_its_own
                                 with_runs=False)
     text = run_compare(load_results(root), tmp_path / "out").markdown.read_text()
     assert ", best variant (" in text and "chosen on the very seeds it is shown with" in text
+
+
+def test_a_heatmap_draws_the_cell_of_a_plotted_axis_that_does_not_apply_where_the_trial_ran_its_baseline(tmp_path):
+    """multi30k-warmup-gqa's norm_position x attention heatmap left (post, mha) empty, "attention not applied",
+    though post-norm ran 4 KV heads (MHA): the study's one clear effect (3.6 BLEU) was missing from it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from study.report.figures import make_figures
+
+    r = load_results(Path(__file__).resolve().parents[1] / "results" / "multi30k-warmup-gqa")
+    figs = {f.name: f for f in make_figures(r, tmp_path, formats=("png",), kinds=("heatmap",))}
+    assert "post|mha" in figs["translation-bleu-heatmap-norm_position-attention"].series
+    assert "none|mha" in figs["translation-bleu-heatmap-warmup-attention"].series

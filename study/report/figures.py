@@ -759,7 +759,9 @@ class _TaskFigures:
         base = r.baseline_values()
         for a, b in combinations(grid_axes, 2):
             held = {x: base[x] for x in grid_axes if x not in (a, b) and x in base}
-            rows = holding_baseline(r, self.done, list(held))
+            # (the plotted axes too: a trial the axis does not apply to sits in the baseline value's cell where it
+            # ran that value's fields, as (post, mha) ran 4 KV heads)
+            rows = holding_baseline(r, self.done, [a, b, *held])
             fig = plot_heatmap(rows, a, b, r.axes[a], r.axes[b], self.mcol, self.direction,
                                f"{self.head}: {self.name}", held, label=self.ylabel)
             name, title = f"{self.prefix}{self.name}-heatmap-{a}-{b}", f"{self.name} over {a} × {b}"
