@@ -430,3 +430,16 @@ def test_an_effect_on_a_metric_the_two_cells_define_differently_is_not_tested(tm
     reason = untested.set_index("effect_id").loc["mlm-valid_mlm_loss", "reason"]
     assert reason == "pretrain.valid_mlm_loss is defined by `model.nsp`, which the two cells ran differently " \
                      "(false, true)"
+
+
+def test_a_variant_worse_than_a_baseline_with_a_diverged_seed_is_not_shown_as_the_best(tmp_path):
+    """The baseline's diverged seed dropped the baseline from the candidates, and the best of the others, worse than
+    the baseline's mean, was set beside the publications as the "best variant"."""
+    root = make_synthetic_sweep(tmp_path / "s", partial=False)
+    table = pd.read_parquet(root / "results.parquet")
+    base = table["label"] == "baseline"
+    table.loc[base & (table["seed"] == 0), "status"] = "diverged"
+    table.loc[base, "metric.valid_loss"] = table["metric.valid_loss"].min() - 1.0  # the baseline leads
+    table.to_parquet(root / "results.parquet", index=False)
+    sources = {m.source.split(":")[1].split("(")[0].strip() for m in sweep_measurements(load_results(root))}
+    assert sources == {"baseline"}

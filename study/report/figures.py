@@ -47,7 +47,7 @@ from study.report.stats import (
 COSTS = (  # column, axis label, better (from study.record.COSTS' declared direction)
     ("cost.train_tokens_per_s", "training throughput"),
     ("cost.parameters", "parameters"),
-    ("cost.kv_cache_bytes_per_token", "KV cache"),
+    ("cost.kv_cache_bytes_per_token", "KV cache growth per token (0: bounded by a window)"),
 )
 
 

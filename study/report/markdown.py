@@ -32,7 +32,9 @@ from study.report.stats import (
 COST_COLUMNS = (  # column, header, formatter
     ("cost.parameters", "params", "int"),
     ("cost.train_flops_per_token", "train FLOPs/token", "sci"),
-    ("cost.kv_cache_bytes_per_token", "KV bytes/token", "int"),
+    # per token the cache grows (0 where every layer's window bounds it), and what it holds at the training length
+    ("cost.kv_cache_bytes_per_token", "KV growth bytes/token", "int"),
+    ("cost.kv_cache_bytes_at_seq_len", "KV bytes at seq_len", "int"),
     ("cost.train_tokens_per_s", "train tokens/s", "int"),
     ("cost.peak_memory_bytes", "peak memory (MiB)", "mib"),
     ("cost.wall_seconds", "wall time per trial (min)", "min"),

@@ -351,8 +351,9 @@ def sweep_measurements(results: SweepResults) -> list[Measurement]:
         col = metric_column(metric)
         means = done.groupby("label")[col].mean().dropna() if col in done else pd.Series(dtype=float)
         finished = results.finished(task)
-        means = means.drop(set(finished.loc[(finished["status"] == DIVERGED) | ran_off_plan(finished), "label"]),
-                           errors="ignore")
+        # (the baseline stays, as the yardstick: without it a variant worse than the baseline was the "best")
+        dropped = set(finished.loc[(finished["status"] == DIVERGED) | ran_off_plan(finished), "label"])
+        means = means.drop(dropped - {results.baseline_label}, errors="ignore")
         picks = [results.baseline_label]
         if len(means):
             best = means.idxmin() if direction == "minimize" else means.idxmax()
