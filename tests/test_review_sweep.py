@@ -381,7 +381,7 @@ def test_a_worker_is_judged_gone_by_its_pid_only_in_this_process_s_pid_namespace
 def test_a_trial_killed_with_its_sweep_three_times_runs_again_as_a_first_attempt():
     """Each kill -9, reboot or preemption of a running `study sweep` left its trial RUNNING; the next invocation's
     worker reaped it as a failed attempt, so with max_retries 2 the third such kill failed the trial for good, unrun.
-    A new invocation fails what nothing runs without counting it, and queues it again from its first attempt."""
+    A new invocation queues what nothing runs again as the same attempt."""
     from study.sweep.queue import TrialSpec, _host
 
     storage = optuna.storages.InMemoryStorage()
@@ -401,3 +401,4 @@ def test_a_trial_killed_with_its_sweep_three_times_runs_again_as_a_first_attempt
     assert queue.reap() == []  # nothing left for the worker's reaper to count
     again = queue.claim({"p-s0"})
     assert again is not None and storage.get_trial(again.trial_id).user_attrs["attempt"] == 1
+    assert storage.get_trial(again.trial_id).user_attrs["retry_of"] == claimed.number  # its history kept

@@ -349,12 +349,17 @@ class TrialQueue:
 
     def sync_anew_locked(self, specs: list[TrialSpec], finished: dict[str, float | None]) -> dict[str, int]:
         """What a new `study sweep` does first, holding `lock()`: the RUNNING trials nothing runs (a sweep killed
-        with them: kill -9, a reboot, a preemption) are failed without counting against their retries, then every
-        failed or missing trial is queued again from its first attempt (`sync_locked`), as an interrupted sweep's
-        are. Left to the workers' reaper, each such kill spent an attempt, and the third failed the trial unrun."""
-        for t, _ in self.lost_running():
-            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):  # (another worker's reaper won)
-                self._fail(t._trial_id, retrying=False)
+        with them: kill -9, a reboot, a preemption) are queued again as the same attempt (a tuning trial at the
+        setting it drew), not counted against their retries; then failed and missing trials are queued
+        (`sync_locked`). Left to the workers' reaper, each such kill spent an attempt, and the third failed the
+        trial unrun."""
+        for t, reason in self.lost_running():
+            try:
+                if not self._fail(t._trial_id, retrying=True):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another worker's reaper got there first; it re-queues
+            self._requeue(t, f"lost: {reason}, with the sweep that ran it", counts=False)
         return self.sync_locked(specs, finished, retry_failed=True, verify_files=True)
 
     def reap_lost(self) -> int:
