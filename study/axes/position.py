@@ -84,7 +84,8 @@ class PositionScheme(nn.Module, abc.ABC):
 POSITIONS: AxisRegistry[type[PositionScheme]] = AxisRegistry("position", PositionScheme)
 
 
-@POSITIONS.register("none", "no position information (NoPE; Kazemnejad et al. 2023) - causal masking alone")
+@POSITIONS.register("none", "no position information (NoPE; Kazemnejad et al. 2023): a decoder orders tokens by "
+                    "causal masking alone; an encoder is order-blind")
 class NoPosition(PositionScheme):
     @staticmethod
     def num_parameters(cfg) -> int:
