@@ -126,3 +126,20 @@ def test_a_spawned_trial_takes_the_ranks_it_started_along_when_killed_or_ended(t
     assert trial.wait(timeout=30) == -signal.SIGKILL and gone(rank)
     trial, rank = rank_of("sys.exit(1)")
     assert trial.wait(timeout=30) == 1 and gone(rank)
+
+
+def test_a_dry_run_plans_a_gpu_sweep_on_a_machine_with_fewer_gpus_and_says_it_cannot_run_here(monkeypatch, tmp_path):
+    """attention_cluster.yaml's 8 workers x 4 GPUs, planned on a 1-GPU machine: the dry run describes the plan and
+    says why it would not run here; the sweep itself is refused before anything is written."""
+    import study.sweep.runner as runner
+    from study.sweep.runner import SweepOptions, prepare
+
+    monkeypatch.setattr(runner, "visible_gpus", lambda: ["0"])
+    said = []
+    spec = REPO / "experiments" / "sweeps" / "attention_cluster.yaml"
+    opts = SweepOptions(results=tmp_path / "results", dry_run=True, estimate_rate=1e12)
+    prepare(spec, opts, say=said.append)
+    assert any("not on this machine:" in s and "GPUs, but 1 are visible" in s for s in said), said
+    with pytest.raises(DeviceError):
+        prepare(spec, SweepOptions(results=tmp_path / "results", estimate_rate=1e12), say=said.append)
+    assert not (tmp_path / "results").exists()

@@ -27,7 +27,7 @@ from study.sweep import plan as planning
 from study.sweep.estimate import default_threads, estimate
 from study.sweep.storage import (DEFAULT_RETRY_S, StorageError, default_url, open_storage, redact, retrying_at_most,
                                   validate_url)
-from study.sweep.devices import assign, claim, gpus_per_trial, visible_gpus
+from study.sweep.devices import DeviceError, assign, claim, gpus_per_trial, visible_gpus
 from study.sweep.trial import DEFAULT_RUNNER
 from study.sweep.layout import (SweepLayout, all_keys, check_storage, finished_results, read_tuned, record_storage,
                                 recorded_storage, trial_specs)
@@ -63,7 +63,12 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     workers = opts.workers or spec.workers
     threads = opts.threads or default_threads(workers)
     say(planning.describe(plan, estimate(plan, opts.estimate_rate, workers, threads)))
-    assign(workers, gpus_per_trial(plan.to_dict()), visible_gpus())  # every worker its own GPUs, or one clear error
+    try:
+        assign(workers, gpus_per_trial(plan.to_dict()), visible_gpus())  # every worker its own GPUs, or one clear error
+    except DeviceError as err:
+        if not opts.dry_run:
+            raise
+        say(f"  not on this machine: {err}")  # a dry run plans a sweep for the machine that will run it
     layout = SweepLayout(Path(opts.results) / spec.name)
     url = opts.storage or default_url(layout.sweep_dir)
     validate_url(url)
