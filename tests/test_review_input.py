@@ -259,3 +259,15 @@ def test_the_status_table_keeps_its_columns_under_long_point_labels():
     # every row's status text starts under the header's "status", the long label's row too
     assert rows[0].index("completed 1, queued 1") == rows[1].index("completed 1") == header.index("status"), rows
     assert [r.split()[0] for r in rows] == labels
+
+
+def test_two_axes_named_alike_by_their_field_paths_are_refused_naming_both_as_written(tmp_path):
+    """A field path's axis is named by its last part: pretrain.train.lr and glue.train.lr were refused as
+    `axes.lr: two axes have this name`, an axis the spec never wrote, with no way out."""
+    from test_sweep_refusals import LM, refused
+
+    text = refused(tmp_path, **LM, axes={"model.norm": ["rmsnorm", "layernorm"],
+                                         "norm": {"pre": {"model.norm_position": "pre"},
+                                                  "post": {"model.norm_position": "post"}}})
+    assert "axes.norm: two axes have this name (model.norm and norm)" in text
+    assert "norm_2: {field: model.norm, values: [...]}" in text

@@ -400,9 +400,16 @@ class SweepConfig(Config):
     def parsed_axes(self, p: Problems | None = None) -> list[Axis]:
         p = p if p is not None else Problems()
         axes = [parse_axis(str(name), raw, p, self.stage_names) for name, raw in self.axes.items()]
+        seen: dict[str, str] = {}  # axis name -> how the spec wrote it
+        for written, a in zip(map(str, self.axes), axes):
+            if a is None:
+                continue
+            # a field path's axis is named by its last part: pretrain.train.lr and glue.train.lr are both `lr`
+            if a.name in seen:
+                path = written if "." in written else seen[a.name]
+                p.add(f"axes.{a.name}", f"two axes have this name ({seen[a.name]} and {written}); name them apart "
+                                        f"with {{field: ..., values: [...]}}, e.g. {a.name}_2: {{field: {path}, "
+                                        "values: [...]}")
+            seen.setdefault(a.name, written)
         parsed = [a for a in axes if a is not None]
-        seen: set[str] = set()
-        for a in parsed:
-            p.check(a.name not in seen, f"axes.{a.name}", "two axes have this name")
-            seen.add(a.name)
         return parsed
