@@ -113,9 +113,8 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     tuned = read_tuned(layout)
     specs = trial_specs(plan_data, tuned)
     keys = all_keys(plan_data)
-    finished = finished_results(layout, specs, plan.metric)
-    with queue.lock():
-        added = queue.sync_anew_locked(retryable(specs, plan_data, tuned), finished)
+    with queue.lock():  # the run directories read under the lock: one another host finishes now is not requeued
+        added = queue.sync_anew_locked(retryable(specs, plan_data, tuned), finished_results(layout, specs, plan.metric))
         if plan_data.get("tune"):  # tuning that ended while no worker could settle it (a kill)
             settle_tuning_locked(queue, layout, plan_data, [p["point"] for p in plan_data["points"]])
     counts = queue.counts(keys)
