@@ -181,8 +181,9 @@ def _setting_differences(m: Measurement, pub: pd.Series) -> tuple[list[str], lis
                      "published: the whole split)")
     if m.model_variant.startswith("pretrained:") and str(pub.get("model_variant", "")).startswith("pretrained:"):
         # task.init_from is always one of our pretrain runs: never the published corpus and budget
-        theirs = str(pub.get("setting", "") or "").strip() or "its own, not restated here"
-        parts.append(f"different pretraining (ours: a `pretrain` run of this project; published: {theirs})")
+        # (published.csv's `setting` is the fine-tuning recipe the number was read with, not the pretraining)
+        parts.append(f"different pretraining (ours: a `pretrain` run of this project; published: that of "
+                     f"{pub.get('model') or 'the published model'})")
     return parts, notes
 
 
