@@ -720,7 +720,7 @@ def _power_text(r) -> str:
 
 def _ours_effect_text(r) -> str:
     if r["our_direction"] == "not measured":
-        return f"not measured: this sweep has no `{r['our_metric']}`"
+        return f"not measured: no finished trial of this sweep has `{r['our_metric']}`"
     if r["verdict"] == BY_CONSTRUCTION:
         return f"{r['our_direction']}: {r['our_metric']} variant/baseline {r['our_ratio']} (computed from the config)"
     ours = "–" if pd.isna(r["our_diff"]) else fmt(r["our_diff"], "signed") + (
@@ -847,7 +847,9 @@ def build_compare_doc(results: SweepResults | None, numbers: pd.DataFrame, effec
         doc.note(f"**Partial results: the sweep is still running or incomplete.** {status_sentence(results)}.")
     doc.h(2, "Published effects: reproduced or not")
     if effects.empty:
-        doc.p("No published effect in the shipped table concerns an axis this sweep varies.")
+        doc.p("No published effect in the shipped table could be set beside a paired difference of this sweep"
+              + (" (those on its axes are listed below with why)." if not untested.empty else
+                 ": none concerns an axis it varies."))
     else:
         _effects_section(doc, effects)
     if not untested.empty:
