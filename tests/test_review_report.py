@@ -219,3 +219,13 @@ def test_a_heatmap_draws_the_cell_of_a_plotted_axis_that_does_not_apply_where_th
     figs = {f.name: f for f in make_figures(r, tmp_path, formats=("png",), kinds=("heatmap",))}
     assert "post|mha" in figs["translation-bleu-heatmap-norm_position-attention"].series
     assert "none|mha" in figs["translation-bleu-heatmap-warmup-attention"].series
+
+
+def test_the_html_report_renders_emphasis_and_leaves_code_as_written():
+    from study.report.markdown import Doc
+
+    doc = Doc()
+    doc.p("variant is *worse*, **disagree**; `*_ppl_at_2x` columns; 2 * 3 * 4")
+    body = doc.to_html("t")
+    assert "<em>worse</em>" in body and "<strong>disagree</strong>" in body and "*worse*" not in body
+    assert "<code>*_ppl_at_2x</code>" in body and "2 * 3 * 4" in body

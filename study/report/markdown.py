@@ -107,11 +107,15 @@ class Doc:
         def inline(text: str) -> str:
             import re
 
-            t = html.escape(text)
-            t = re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r'<a href="\2">\1</a>', t)
-            t = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", t)
-            t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
-            return t
+            out = []
+            for i, part in enumerate(re.split(r"`([^`]+)`", html.escape(text))):  # odd parts: code spans, as written
+                if i % 2:
+                    out.append(f"<code>{part}</code>")
+                    continue
+                part = re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r'<a href="\2">\1</a>', part)
+                part = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", part)
+                out.append(re.sub(r"(?<![*\w])\*([^*\s][^*]*?)\*(?![*\w])", r"<em>\1</em>", part))  # *better*
+            return "".join(out)
 
         body = []
         for kind, v in self.blocks:
