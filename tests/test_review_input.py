@@ -271,3 +271,20 @@ def test_two_axes_named_alike_by_their_field_paths_are_refused_naming_both_as_wr
                                                   "post": {"model.norm_position": "post"}}})
     assert "axes.norm: two axes have this name (model.norm and norm)" in text
     assert "norm_2: {field: model.norm, values: [...]}" in text
+
+
+def test_a_progress_bar_axis_is_refused_as_reaching_no_model(tmp_path):
+    from test_sweep_refusals import LM, refused
+
+    text = refused(tmp_path, **LM, axes={"train.progress_bar": [True, False], "model.norm": ["rmsnorm", "layernorm"]})
+    assert "axes.progress_bar: train.progress_bar does not reach the trained model" in text
+
+
+def test_an_axis_with_values_and_no_field_is_told_the_field_is_missing(tmp_path):
+    from test_sweep_refusals import LM, plan_of
+
+    from study.sweep import SweepSpecError
+
+    with pytest.raises(SweepSpecError, match=r"axes.win: has values \[16, 32\] but no field"):
+        plan_of(tmp_path, **LM, axes={"model.norm": ["rmsnorm", "layernorm"],
+                                      "win": {"values": [16, 32], "when": {"norm": "rmsnorm"}}})

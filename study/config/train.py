@@ -87,10 +87,12 @@ class TrainConfig(Config):
         p.check(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
 
     def unread_fields(self) -> dict[str, str]:
-        """Field -> why, for each field whose value this config never reaches: a warm-up as long as training leaves
-        no step to the schedule after it (every schedule warms up alike: study.tasks.base.lr_multiplier)."""
+        """Field -> why, for each field whose value never reaches the trained model: the progress bar, and under a
+        warm-up as long as training the schedule after it (every schedule warms up alike: lr_multiplier)."""
+        # how a run reports its progress, never what it trains (a sweep's trials write lines to their trial.log)
+        out = {"progress_bar": "it changes how a run reports its progress, not what it trains"}
         if self.warmup_steps < self.max_steps - 1:
-            return {}
+            return out
         why = (f"warm-up (warmup_steps={self.warmup_steps}) lasts max_steps={self.max_steps} steps, so no step runs "
                "the schedule after it below the peak rate")
-        return {"schedule": why, "min_lr_ratio": why}
+        return out | {"schedule": why, "min_lr_ratio": why}
