@@ -189,11 +189,10 @@ def parse_axis(name: str, raw: Any, p: Problems, stages: list[str] = ()) -> Axis
         for v in values_raw:
             values[label_of(v)] = {str(field_path): v}
     else:
-        if isinstance(values_raw, list):  # {values: [16, 32], when: ...} without the field they set
-            p.add(where, f"has values {values_raw!r} but no field: add field: <section.name>, e.g. model.window")
-            return None
-        if not isinstance(values_raw, dict):
-            p.add(where, f"values must be a mapping of variant name -> fields, got {values_raw!r}")
+        if not isinstance(values_raw, dict):  # (a list: {values: [16, 32]} without the field they set)
+            p.add(where, f"has values {values_raw!r} but no field: add field: <section.name>, e.g. model.window"
+                  if isinstance(values_raw, list) else
+                  f"values must be a mapping of variant name -> fields, got {values_raw!r}")
             return None
         for label, assignments in values_raw.items():
             if not isinstance(assignments, dict) or not assignments:
