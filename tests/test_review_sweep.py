@@ -402,3 +402,18 @@ def test_a_trial_killed_with_its_sweep_three_times_runs_again_as_a_first_attempt
     again = queue.claim({"p-s0"})
     assert again is not None and storage.get_trial(again.trial_id).user_attrs["attempt"] == 1
     assert storage.get_trial(again.trial_id).user_attrs["retry_of"] == claimed.number  # its history kept
+
+
+def test_a_trial_failed_for_an_objective_since_replaced_by_one_its_record_has_is_its_result():
+    """It completed without the sweep's first objective (valid_ppl inf) and failed; the objective became valid_loss,
+    and the rerun's queue counted it done from its files, writing no attempt: the table kept saying failed, and the
+    summary and the report left the finished result out."""
+    from study.sweep.results import _status
+
+    record = {"status": "completed", "metrics": {"valid_loss": 2.0, "valid_ppl": float("inf")}}
+    failed = [{"id": "s#1", "started": 1.0, "ended": 2.0, "outcome": "failed", "error": "no finite 'valid_ppl'",
+               "missing_objective": "valid_ppl"}]
+    assert _status(record, failed, written=1.5, objective="valid_loss") == ("completed", "")
+    assert _status(record, failed, written=1.5, objective="valid_ppl")[0] == "failed"  # still missing it
+    older = [{**failed[0], "missing_objective": None}]  # another failure: this record was not the attempt's
+    assert _status(record, older, written=1.5, objective="valid_loss")[0] == "failed"

@@ -78,9 +78,12 @@ def test_a_killed_trial_whose_finished_record_lacks_the_objective_fails_for_that
     assert [t.state.name for t in queue.trials()] == ["FAIL"]
     last = _last_attempt(attempt.run_dir)
     assert last["returncode"] == -9 and "no finite 'valid_loss'" in last["error"]
+    assert last["missing_objective"] == "valid_loss"  # so a later objective the record has makes it a result
     run = RunDir(attempt.run_dir)
     status, error = _status(run.read(), own_attempts(read_json_or_none(run.trial), "s"))
     assert status == "failed" and "no finite 'valid_loss'" in error
+    assert _status(run.read(), own_attempts(read_json_or_none(run.trial), "s"), objective="train_loss")[0] == \
+        "completed"
 
 
 def test_a_failed_process_does_not_take_a_finished_record_it_did_not_write_for_its_result(tmp_path):

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from study.io import atomic_write, load_yaml, read_json, read_json_or_none
-from study.record import DIVERGED, FINISHED, PENDING, RUNNING, RunDir, flatten_record, stage_run_dirs
+from study.record import (DIVERGED, FINISHED, PENDING, RUNNING, RunDir, flatten_record, metric_value,
+                          stage_run_dirs)
 from study.sweep.layout import SweepLayout, current_tuned, read_tuned, seed_key
 
 
@@ -38,16 +39,18 @@ def own_attempts(trial: dict[str, Any] | None, sweep: str) -> list[dict[str, Any
 
 
 def _status(metrics: dict[str, Any] | None, attempts: list[dict[str, Any]],
-            written: float | None = None) -> tuple[str, str]:
+            written: float | None = None, objective: str | None = None) -> tuple[str, str]:
     """(status, why) of a trial from its record and this sweep's attempts (`own_attempts`); `written`: when the
     record was written (its file's mtime), so a record another sweep finished after this sweep's attempt failed is
-    this trial's result."""
+    this trial's result; `objective`: the sweep's, which may have changed since an attempt failed for lack of one."""
     last = attempts[-1] if attempts else {}
     if metrics and metrics.get("status") in FINISHED:
         # finished, but failed by its worker: its objective is missing, or the record was not this attempt's (the
         # process stopped before training, e.g. on another config's run in the directory; study.sweep.worker)
         newer = written is not None and written > float(last.get("ended") or math.inf)
-        if last.get("outcome") == "failed" and not newer:
+        missed = last.get("missing_objective")  # an objective since replaced by one the record has: its result
+        now_ranked = missed not in (None, objective) and objective and metric_value(metrics, objective) is not None
+        if last.get("outcome") == "failed" and not newer and not now_ranked:
             return "failed", last.get("error", "")
         why = (metrics.get("divergence") or {}).get("reason", "") if metrics["status"] == DIVERGED else ""
         return metrics["status"], why  # a diverged run says which part of the divergence rule stopped it
@@ -197,7 +200,7 @@ def trial_row(plan: dict[str, Any], point: dict[str, Any], seed: int, run_dir: P
     row.update(_task_columns(point["config"]))
     row.update(resolved_fields(plan, point, run, record if record and record.get("status") in FINISHED else None))
     attempts = own_attempts(read_json_or_none(run.trial), plan["sweep"])
-    status, error = _status(record, attempts, _mtime(run.metrics))
+    status, error = _status(record, attempts, _mtime(run.metrics), plan.get("objective", {}).get("metric"))
     row.update(status=status, attempts=len(attempts), error=error)
     try:
         flat = flatten_record(record or {})

@@ -420,17 +420,17 @@ def _settle_mine(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], a
             tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point,
                                        record["status"], value)
         return record["status"]
-    retry = True
+    retry, missing = True, {}
     if record is not None:  # completed, but the objective is missing: the same on every retry, whatever the exit
         written = sorted(k[len("metric."):] for k, v in _numeric_metrics(record).items())
         error = (f"the run completed but its metrics.json has no finite {metric!r}, the sweep's objective; "
                  f"it has {written[:12]}")
-        retry = False
+        retry, missing = False, {"missing_objective": metric}  # (a later objective the record has: results.py)
     else:
         error = _log_tail(run.trial_log) or f"exit code {rc}"
         if rc == 0:
             error += "\n(the trial exited without writing a finished metrics.json)"
-    attempt.write(sweep, outcome="failed", error=error.splitlines()[-1] if error else "")
+    attempt.write(sweep, outcome="failed", error=error.splitlines()[-1] if error else "", **missing)
     requeued = queue.fail(claimed, error, retry=retry)
     if attempt.tuning:
         attempt.tell_failed()
