@@ -417,3 +417,24 @@ def test_a_trial_failed_for_an_objective_since_replaced_by_one_its_record_has_is
     assert _status(record, failed, written=1.5, objective="valid_ppl")[0] == "failed"  # still missing it
     older = [{**failed[0], "missing_objective": None}]  # another failure: this record was not the attempt's
     assert _status(record, older, written=1.5, objective="valid_loss")[0] == "failed"
+
+
+def test_a_tuning_attempt_the_reaper_gives_up_ends_its_tpe_trial():
+    """No retry starts at its setting to end it, and the point's TPE study kept it RUNNING for good."""
+    from study.config.sweep import TUNE_DEFAULTS
+    from study.sweep.layout import tuning_key
+    from study.sweep.queue import TrialSpec
+
+    storage = optuna.storages.InMemoryStorage()
+    queue = TrialQueue(storage, "s", max_retries=0)
+    plan = {"sweep": "s", "objective": {"metric": "valid_loss", "direction": "minimize"},
+            "tune": {**TUNE_DEFAULTS, "field": "train.lr", "low": 1e-4, "high": 1e-2, "trials": 2}}
+    key = tuning_key(plan, "p", 0)
+    study = tuning.tune_study(queue, plan, "p", 0)
+    asked = study.ask()
+    queue.sync([TrialSpec(key=key, point="p", seed=0, label="baseline", kind="tune")])
+    claimed = queue.claim({key})
+    storage.set_trial_user_attr(claimed.trial_id, "tune_trial", asked.number)
+    given_up = [storage.get_trial(claimed.trial_id)]
+    tuning.end_given_up(queue, plan, given_up)
+    assert study.trials[asked.number].state.name == "FAIL"

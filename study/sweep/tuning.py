@@ -112,6 +112,17 @@ def tune_study(queue: TrialQueue, plan: dict[str, Any], point: str, index: int =
         direction=queue.direction, pruner=pruner, load_if_exists=True, sampler=sampler)
 
 
+def end_given_up(queue: TrialQueue, plan: dict[str, Any], trials: list) -> None:
+    """The TPE trial of each tuning attempt the reaper failed for good ends as failed: no retry starts at its
+    setting to end it (`start_tuning`), and the point's tuning study would hold it running for good."""
+    from optuna.trial import TrialState
+
+    for t in trials:
+        if "tune_trial" in t.user_attrs:
+            study = tune_study(queue, plan, t.user_attrs["point"], tuning_index(t.user_attrs["key"]))
+            study.tell(t.user_attrs["tune_trial"], state=TrialState.FAIL, skip_if_finished=True)
+
+
 def start_tuning(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], claimed: Claimed):
     """Ask TPE for this tuning trial's setting; write the config it runs. Returns (config point, study, tune trial)."""
     from optuna.trial import TrialState

@@ -470,10 +470,10 @@ def _drain(queue: TrialQueue, layout: SweepLayout, opts: WorkerOptions, plan: di
     while opts.max_trials is None or len(summary.ran) < opts.max_trials:
         # a lost tuning trial with no retry left may have been its point's last: no worker ran it to its end, so the
         # reaper settles the point (its seeds are queued now, not by the next `study sweep`)
-        given_up = {t.user_attrs.get("point") for t, requeued in queue.reap()
-                    if not requeued and t.user_attrs.get("kind") == "tune"}
+        given_up = [t for t, requeued in queue.reap() if not requeued and t.user_attrs.get("kind") == "tune"]
         if given_up and plan.get("tune"):
-            tuning.settle_points(queue, layout, plan, sorted(given_up))
+            tuning.end_given_up(queue, plan, given_up)
+            tuning.settle_points(queue, layout, plan, sorted({t.user_attrs.get("point") for t in given_up}))
         claimed = queue.claim(keys)
         if claimed is None:
             if _work_ahead(queue, layout, plan):
