@@ -438,3 +438,24 @@ def test_a_tuning_attempt_the_reaper_gives_up_ends_its_tpe_trial():
     given_up = [storage.get_trial(claimed.trial_id)]
     tuning.end_given_up(queue, plan, given_up)
     assert study.trials[asked.number].state.name == "FAIL"
+
+
+def test_status_counts_interrupted_trials_of_this_plans_keys_once_and_never_a_negative_running():
+    from study.sweep.queue import TrialSpec, _host
+    from study.sweep.runner import _interrupted
+
+    storage = optuna.storages.InMemoryStorage()
+    queue = TrialQueue(storage, "s", max_retries=2)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    specs = [TrialSpec(key=k, point=k, seed=0, label=k) for k in ("a", "b", "old")]
+    queue.sync(specs)
+    for key in ("a", "b", "old"):  # each left running by a killed worker
+        claimed = queue.claim({key})
+        storage.set_trial_user_attr(claimed.trial_id, "worker", f"{_host()}:{dead.pid}")
+    queue.study.add_trial(optuna.trial.create_trial(  # "a" finished meanwhile: another attempt of it completed
+        state=optuna.trial.TrialState.COMPLETE, value=1.0, user_attrs=specs[0].attrs()))
+    keys = ["a", "b"]  # "old": a key of an earlier version of the spec
+    lost, stalled = _interrupted(queue, keys)
+    assert sorted(t.user_attrs["key"] for t, _ in lost) == ["a", "b"] and stalled == 1
+    assert queue.counts(keys)["running"] - stalled == 0

@@ -256,6 +256,21 @@ def _recorded_file_storage(layout: SweepLayout) -> str | None:
     return None
 
 
+def _interrupted(queue, keys: list[str]) -> tuple[list, int]:
+    """The RUNNING trials of this plan's keys that nothing runs (a Ctrl-C'd or killed worker's; the next worker takes
+    them back), and how many keys `counts` calls running only through them (the study may also hold trials of keys an
+    earlier version of the spec had, and a key's finished or live trial outranks a lost one)."""
+    from optuna.trial import TrialState
+
+    wanted = set(keys)
+    lost = [(t, why) for t, why in queue.lost_running() if t.user_attrs.get("key") in wanted]
+    lost_ids, groups = {t.number for t, _ in lost}, queue.by_key()
+    stalled = {key for key in {t.user_attrs["key"] for t, _ in lost}
+               if not any(x.state == TrialState.COMPLETE or (x.state == TrialState.RUNNING and x.number not in lost_ids)
+                          for x in groups.get(key, []))}
+    return lost, len(stalled)
+
+
 def status(sweep_dir: str | Path, storage: str | None = None) -> str:
     """Progress of a sweep from its queue and its run directories."""
     layout = SweepLayout(Path(sweep_dir))
@@ -273,9 +288,9 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> str:
         check_storage(layout, url)
         queue = open_queue(plan, url, retry_s=0)  # status reports an outage, it does not wait it out
         counts = queue.counts(keys)
-        lost = queue.lost_running()
-        if lost:  # a Ctrl-C'd or killed worker: nothing is running them; the next worker takes them back
-            counts = {**counts, "running": counts["running"] - len(lost), "interrupted": len(lost)}
+        lost, stalled = _interrupted(queue, keys)
+        if lost:
+            counts = {**counts, "running": counts["running"] - stalled, "interrupted": stalled}
         lines.append(f"queue ({redact(url)}): " + ", ".join(f"{v} {k}" for k, v in counts.items()))
         lines += [f"  interrupted: {t.user_attrs.get('label')} seed {t.user_attrs.get('seed')} ({why}); rerunning "
                   "`study sweep` resumes it" for t, why in lost]
