@@ -245,3 +245,14 @@ def test_a_result_fine_tuned_from_a_model_since_replaced_is_no_finished_trial(tm
     assert finished_results(layout, specs, "glue_score") == {"p-s0": 60.0}
     pre.weights.write_bytes(b"the model trained anew")  # `study run --force` of the pretraining
     assert finished_results(layout, specs, "glue_score") == {}
+
+
+def test_a_rebuilt_queue_s_attempts_keep_the_earlier_ones_of_the_same_trial_number(tmp_path):
+    """After the documented storage move (the queue rebuilt) trial numbers start again: the new attempt #0 replaced
+    the old #0 in trial.json, so the history and the table's attempt count lost it."""
+    for _ in range(2):  # two queues, each numbering its first trial 0, over one run directory
+        queue = TrialQueue(optuna.storages.InMemoryStorage(), "s", max_retries=0)
+        layout, attempt = _claimed_attempt(tmp_path, queue)
+        attempt.write("s", outcome="failed", error="x", ended=time.time())
+    attempts = own_attempts(read_json(RunDir(attempt.run_dir).trial), "s")
+    assert [a["trial"] for a in attempts] == [0, 0] and len({a["id"] for a in attempts}) == 2

@@ -188,9 +188,12 @@ def _start(queue: TrialQueue, layout: SweepLayout, claimed: Claimed, plan: dict[
         tuning_pair = (study, tune_trial)
     run_dir = layout.run_dir(runs_point, claimed.spec.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # the id: <sweep>#<trial number>, and when it started: trial numbers start again in a rebuilt queue (a moved
+    # storage), whose attempts would otherwise replace the earlier ones of the same number in trial.json
+    started = time.time()
     attempt = Attempt(claimed, run_dir, runs_point,
-                      {"id": f"{plan['sweep']}#{claimed.number}", "trial": claimed.number,
-                       "attempt": claimed.attempt, "worker": queue.worker, "started": time.time(),
+                      {"id": f"{plan['sweep']}#{claimed.number}@{started:.6f}", "trial": claimed.number,
+                       "attempt": claimed.attempt, "worker": queue.worker, "started": started,
                        "kind": claimed.spec.kind}, tuning_pair, _file_identity(RunDir(run_dir).metrics))
     attempt.write(plan["sweep"])
     return attempt
