@@ -459,3 +459,17 @@ def test_status_counts_interrupted_trials_of_this_plans_keys_once_and_never_a_ne
     lost, stalled = _interrupted(queue, keys)
     assert sorted(t.user_attrs["key"] for t, _ in lost) == ["a", "b"] and stalled == 1
     assert queue.counts(keys)["running"] - stalled == 0
+
+
+def test_a_given_up_tuning_attempt_of_an_earlier_tuning_leaves_the_current_tpe_study_alone():
+    from study.config.sweep import TUNE_DEFAULTS
+    from study.sweep.queue import TrialSpec
+
+    storage = optuna.storages.InMemoryStorage()
+    queue = TrialQueue(storage, "s", max_retries=0)
+    plan = {"sweep": "s", "objective": {"metric": "valid_loss", "direction": "minimize"},
+            "tune": {**TUNE_DEFAULTS, "field": "train.lr", "low": 1e-4, "high": 1e-2, "trials": 2}}
+    queue.sync([TrialSpec(key="p-oldtuning-tune0", point="p", seed=0, label="baseline", kind="tune")])
+    claimed = queue.claim({"p-oldtuning-tune0"})
+    storage.set_trial_user_attr(claimed.trial_id, "tune_trial", 5)  # a number the current study does not have
+    tuning.end_given_up(queue, plan, [storage.get_trial(claimed.trial_id)])  # no error: the worker goes on

@@ -118,8 +118,10 @@ def end_given_up(queue: TrialQueue, plan: dict[str, Any], trials: list) -> None:
     from optuna.trial import TrialState
 
     for t in trials:
-        if "tune_trial" in t.user_attrs:
-            study = tune_study(queue, plan, t.user_attrs["point"], tuning_index(t.user_attrs["key"]))
+        point, key = t.user_attrs.get("point"), str(t.user_attrs.get("key"))
+        # (only this tuning's: the key names the tuning, whose TPE study holds the trial)
+        if "tune_trial" in t.user_attrs and key == tuning_key(plan, point, tuning_index(key)):
+            study = tune_study(queue, plan, point, tuning_index(key))
             study.tell(t.user_attrs["tune_trial"], state=TrialState.FAIL, skip_if_finished=True)
 
 
