@@ -97,15 +97,17 @@ def _say_progress() -> None:
     sweep prints its trials; other libraries' loggers keep their levels."""
     import logging
 
+    class ToStderr(logging.StreamHandler):
+        """Writes to the sys.stderr of the moment: a caller in the same process (a test) may replace and close it."""
+
+        stream = property(lambda self: sys.stderr, lambda self, _: None)
+
     logger = logging.getLogger("study")
-    handler = next((h for h in logger.handlers if getattr(h, "study_progress", False)), None)
-    if handler is None:
-        handler = logging.StreamHandler()
-        handler.study_progress = True
+    if not any(type(h).__name__ == "ToStderr" for h in logger.handlers):
+        handler = ToStderr()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-    handler.setStream(sys.stderr)  # this call's (a caller in the same process may have replaced it since)
 
 
 def _held(run_dir: Path):
