@@ -120,8 +120,8 @@ def test_with_accumulation_checkpoints_are_written_every_checkpoint_every_steps(
 
 def test_a_cpu_run_never_asks_for_the_cuda_generator_where_torch_sees_a_gpu(corpus, monkeypatch):
     """On a GPU machine a CPU run (a sweep trial told `accelerator: cpu`, say) saved the CUDA stream in every
-    checkpoint, a stream it never drew from, initialising CUDA to read it. tests/test_gpu.py checks on a GPU that such a run
-    takes no GPU memory."""
+    checkpoint, a stream it never drew from, initialising CUDA to read it. tests/test_gpu.py checks on a GPU that
+    such a run takes no GPU memory."""
     asked = []
 
     def get_rng_state(*args, **kwargs):
