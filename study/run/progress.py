@@ -11,6 +11,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 
+from study.tasks.base import mid_step
+
 
 class StepProgressBar(TQDMProgressBar):
     def __init__(self, name: str, refresh_rate: int = 1):
@@ -26,7 +28,7 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         bar, step = self.train_progress_bar, trainer.global_step
-        if trainer.fit_loop._should_accumulate():  # between micro-batches global_step names the step before
+        if mid_step(trainer):
             return
         if bar is not None and self._should_update(step, bar.total):
             bar.n = step
@@ -56,7 +58,7 @@ class StepLines(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         step, now = trainer.global_step, time.monotonic()
-        if trainer.fit_loop._should_accumulate():  # a micro-batch: its step_logs are not the step's
+        if mid_step(trainer):  # its step_logs are not the step's
             return
         every = trainer.log_every_n_steps
         last = trainer.max_steps > 0 and step >= trainer.max_steps

@@ -52,10 +52,12 @@ def _step_checkpoint(run: RunDir, every: int, validates_every: int):
     resumes from the checkpoint before, and the validation runs again."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from study.tasks.base import mid_step
+
     class StepCheckpoint(ModelCheckpoint):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             step = trainer.global_step
-            if trainer.fit_loop._should_accumulate():  # global_step still names the step before, saved already
+            if mid_step(trainer):  # (the step before was saved already)
                 return
             if step % every == 0 and step % validates_every == 0 and trainer.enable_validation:
                 self._defer_save_until_validation = True  # Lightning's own deferral, saved by on_validation_end

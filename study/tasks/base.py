@@ -74,6 +74,12 @@ class TimeAwareSchedule:
         return lr_multiplier(round(cfg.warmup_steps + progress * (cfg.max_steps - cfg.warmup_steps)), cfg)
 
 
+def mid_step(trainer) -> bool:
+    """This batch is a micro-batch before its optimizer step's last (train.accumulate): global_step still names the
+    step before, whose hooks already ran. The one place this project reads Lightning's private `_should_accumulate`."""
+    return trainer.fit_loop._should_accumulate()
+
+
 def is_logging_step(trainer) -> bool:
     """The optimizer step just taken is one Lightning writes logs at (every `train.log_every` steps); a run's last
     step is written too (the module checks that: a stop decided in this step's callbacks)."""
@@ -100,7 +106,7 @@ class SyncedTimer(Timer):
             self._sync(trainer)
 
     def on_train_batch_end(self, trainer, *args: Any, **kwargs: Any) -> None:
-        if trainer.fit_loop._should_accumulate():  # a stop between micro-batches would drop their gradients
+        if mid_step(trainer):  # a stop between micro-batches would drop their gradients
             return
         if trainer.world_size == 1:
             super().on_train_batch_end(trainer, *args, **kwargs)
@@ -291,7 +297,7 @@ class StudyModule(L.LightningModule):
         last = trainer.should_stop or (trainer.max_steps > 0 and self.global_step >= trainer.max_steps)
         # between micro-batches of an optimizer step (train.accumulate) nothing is written: global_step still names
         # the step before, whose values were written at its own last micro-batch
-        accumulating = trainer.fit_loop._should_accumulate()
+        accumulating = mid_step(trainer)
         written = not accumulating and (last or is_logging_step(trainer))
         if written:
             self.settle()  # before the step's time is taken: on a GPU the read waits for the queued steps
