@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -92,19 +93,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ToStderr(logging.StreamHandler):
+    """Writes to the sys.stderr of the moment: a caller in the same process (a test) may replace and close it."""
+
+    stream = property(lambda self: sys.stderr, lambda self, _: None)
+
+
 def _say_progress() -> None:
     """study's own INFO lines on stderr (a finished run handed back, a suite's or a pipeline's next part), as a
     sweep prints its trials; other libraries' loggers keep their levels."""
-    import logging
-
-    class ToStderr(logging.StreamHandler):
-        """Writes to the sys.stderr of the moment: a caller in the same process (a test) may replace and close it."""
-
-        stream = property(lambda self: sys.stderr, lambda self, _: None)
-
     logger = logging.getLogger("study")
-    if not any(type(h).__name__ == "ToStderr" for h in logger.handlers):
-        handler = ToStderr()
+    if not any(isinstance(h, _ToStderr) for h in logger.handlers):
+        handler = _ToStderr()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
@@ -150,8 +150,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     # `kill PID` (and a batch scheduler's SIGTERM) stop the sweep like Ctrl-C: workers give their
     # trials back to the queue instead of leaving them to the heartbeat timeout
     deliver_interrupts(sigterm=True, once=True)  # the first stops the sweep; those after it let it give trials back
-    import logging
-
     # the in-process worker (--workers 1) reports each trial as the worker processes do
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("study.sweep").setLevel(logging.INFO)

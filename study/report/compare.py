@@ -763,8 +763,7 @@ def _effects_section(doc: Doc, effects: pd.DataFrame) -> None:
     doc.p(f"**Multiplicity: {family} paired tests were made here** (one per pair of cells and metric with two or "
           "more seed pairs and a declared direction; effects that are the same test on the same cells and metric "
           f"count once), each at 95%. {holm_sentence(family)} For an inconclusive effect the details give the "
-          "smallest difference "
-          "the seeds could have "
+          "smallest difference the seeds could have "
           f"detected ({POWER:.0%} power, two-sided α = 0.05, from the sd of the paired differences: "
           "(t₀.₉₇₅,ₙ₋₁ + t₀.₈₀,ₙ₋₁) · sd / √n), and whether an effect of the published size exceeds it where the "
           "published effect is in our units (GLUE dev metrics, points on 0-100).")
