@@ -393,32 +393,47 @@ def _append_invocations(layout, n: int) -> None:
         _record_invocation(layout, 0.0, 1, 1, {"done": 0})
 
 
-def test_a_completion_whose_reply_was_lost_is_not_mistaken_for_another_workers():
-    """The storage committed the COMPLETE but the connection dropped before its reply: the retried call finds the
-    trial complete. That is this worker's own update (its worker, its value), not a trial taken back by another."""
+class _ReplyLostOnce:
+    """A storage whose first update of a trial to `state` lands but loses its reply (the connection drops after the
+    commit), as a database server restarting at that moment does."""
+
+    def __init__(self, inner, state):
+        self.inner, self.state, self.lost = inner, state, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def set_trial_state_values(self, trial_id, state, values=None):
+        from sqlalchemy.exc import OperationalError
+
+        done = self.inner.set_trial_state_values(trial_id, state=state, values=values)
+        if state == self.state and not self.lost:
+            self.lost = True
+            raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection unexpectedly"))
+        return done
+
+
+def _queue_losing_one_reply(state, **kwargs):
     import optuna
-    from sqlalchemy.exc import OperationalError
 
     from study.sweep.queue import TrialQueue, TrialSpec
     from study.sweep.storage import retrying
 
-    class ReplyLostOnce:
-        def __init__(self, inner):
-            self.inner, self.lost = inner, False
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def set_trial_state_values(self, trial_id, state, values=None):
-            done = self.inner.set_trial_state_values(trial_id, state=state, values=values)
-            if state == optuna.trial.TrialState.COMPLETE and not self.lost:
-                self.lost = True
-                raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection unexpectedly"))
-            return done
-
-    storage = retrying(ReplyLostOnce(optuna.storages.InMemoryStorage()), 30.0, "postgresql://db/sweeps")
-    queue = TrialQueue(storage, "s")
+    storage = retrying(_ReplyLostOnce(optuna.storages.InMemoryStorage(), state), 30.0, "postgresql://db/sweeps")
+    queue = TrialQueue(storage, "s", **kwargs)
     queue.sync([TrialSpec(key="p-s0", point="p", seed=0, label="baseline")])
+    return queue
+
+
+def test_a_completion_whose_reply_was_lost_is_not_mistaken_for_another_workers():
+    """The storage committed the COMPLETE but the connection dropped before its reply: the retried call finds the
+    trial complete. That is this worker's own update (the token its call wrote), not a trial taken back by another."""
+    import optuna
+
+    from study.sweep.queue import TrialQueue, TrialSpec
+
+    queue = _queue_losing_one_reply(optuna.trial.TrialState.COMPLETE)
+    storage = queue.storage
     claimed = queue.claim({"p-s0"})
     queue.finish(claimed, "completed", 1.5, {})  # raised UpdateFinishedTrialError before
     (t,) = queue.trials()
@@ -429,3 +444,29 @@ def test_a_completion_whose_reply_was_lost_is_not_mistaken_for_another_workers()
     other.storage.set_trial_state_values(mine.trial_id, state=optuna.trial.TrialState.FAIL)  # reaped meanwhile
     with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
         other.finish(mine, "completed", 1.0, {})
+
+
+def test_a_failure_whose_reply_was_lost_is_retried_by_the_worker_that_failed_it():
+    """The FAIL landed, its reply did not: the retried call is told the trial is already finished. Taken for another
+    worker's, the retry would wait for the next `study sweep`; it is this worker's own, so it queues the retry."""
+    import optuna
+
+    queue = _queue_losing_one_reply(optuna.trial.TrialState.FAIL)
+    claimed = queue.claim({"p-s0"})
+    assert queue.fail(claimed, "RuntimeError: boom") is True
+    assert [(t.state.name, t.user_attrs["attempt"]) for t in queue.trials()] == [("FAIL", 1), ("WAITING", 2)]
+
+
+def test_a_claim_whose_reply_was_lost_is_queued_again_without_spending_a_retry():
+    """The move to RUNNING landed, its reply did not: the retried call finds the trial running and this worker moves
+    on. Nothing ran it, so the reaper queues it again as the same attempt."""
+    import optuna
+
+    queue = _queue_losing_one_reply(optuna.trial.TrialState.RUNNING, grace_s=0)
+    assert queue.claim({"p-s0"}) is None
+    (orphan,) = queue.trials()
+    assert orphan.state.name == "RUNNING" and "worker" not in orphan.user_attrs
+    time.sleep(0.01)
+    assert [requeued for _, requeued in queue.reap()] == [True]
+    assert [(t.state.name, t.user_attrs["attempt"]) for t in queue.trials()] == [("FAIL", 1), ("WAITING", 1)]
+    assert queue.claim({"p-s0"}).attempt == 1

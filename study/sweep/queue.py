@@ -31,6 +31,7 @@ import math
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,6 +44,7 @@ ACTIVE = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
 # A failed attempt that is about to be queued again: set before it is failed, so that between the failure and the
 # retry (two storage updates) no other worker takes its key for failed for good (retry_pending)
 RETRYING = "retrying"
+ENDED_BY = "ended_by"  # a token of the call that ends a trial (see TrialQueue._end)
 LOCK_STALE_S = 120.0  # a lock held this long by a process elsewhere is taken over
 LOCK_SAY_EVERY_S = 10.0
 
@@ -372,12 +374,16 @@ class TrialQueue:
         what waits on it, such as a tuned point's seeds)."""
         won = []
         for t, reason in self.lost_running():
+            # a trial moved to RUNNING whose claimant never marked it its own ran nothing (the claim's reply was
+            # lost, or its worker died at once): queued again as the same attempt, spending no retry
+            ran = "worker" in t.user_attrs
             try:
-                if not self._fail(t._trial_id, retrying=self._retries_left(int(t.user_attrs.get("attempt", 1)))):
+                retrying = not ran or self._retries_left(int(t.user_attrs.get("attempt", 1)))
+                if not self._fail(t._trial_id, retrying=retrying):
                     continue
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue  # another worker got there first; it re-queues
-            won.append((t, self._requeue(t, f"lost: {reason}")))
+            won.append((t, self._requeue(t, f"lost: {reason}", counts=ran)))
         return won
 
     def claim(self, keys: set[str] | None = None) -> Claimed | None:
@@ -386,6 +392,8 @@ class TrialQueue:
         for t in sorted(self.trials((TrialState.WAITING,)), key=lambda t: t.number):
             try:
                 if not self.storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                    # taken by another worker, or by this call's own first try whose reply was lost: no worker
+                    # marks it then, and the reaper queues it again without spending a retry (see `reap`)
                     continue
                 claimed = self._take(t, keys)
             except optuna.exceptions.UpdateFinishedTrialError:
@@ -452,7 +460,7 @@ class TrialQueue:
         UpdateFinishedTrialError when another process ended the trial first (see `_end`)."""
         for k, v in {**attrs, "status": status}.items():
             self.storage.set_trial_user_attr(claimed.trial_id, k, v)
-        self._end(claimed, TrialState.COMPLETE, self._storable(value))
+        self._end(claimed.trial_id, TrialState.COMPLETE, self._storable(value))
 
     def fail(self, claimed: Claimed, error: str, retry: bool = True) -> bool:
         """Record a failed attempt and re-queue it if retries are left (and `retry`: a failure that would repeat,
@@ -470,21 +478,28 @@ class TrialQueue:
         """The storage's atomic RUNNING -> FAIL update (see `_end`), marked first with whether the attempt is queued
         again next (RETRYING, read by retry_pending); False where the trial had already left RUNNING."""
         self.storage.set_trial_user_attr(trial_id, RETRYING, retrying)
-        return self.storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+        return self._end(trial_id, TrialState.FAIL)
 
-    def _end(self, claimed: Claimed, state: TrialState, value: float | None = None) -> None:
+    def _end(self, trial_id: int, state: TrialState, value: float | None = None) -> bool:
         """The storage's atomic RUNNING -> `state` update. Not `study.tell`: when another worker reaped the trial a
         moment earlier, tell raises a ValueError ('Cannot tell a FAIL trial') that cannot be told from a wrong
-        value, while the storage raises UpdateFinishedTrialError, the one signal every caller handles. A retried
-        call (study.sweep.storage.retrying) whose first try landed but lost its reply finds the trial already in
-        `state`, this worker's, with this value: that is this call's own update, not another worker's."""
-        values = None if value is None else [value]
+        value, while the storage raises UpdateFinishedTrialError, the one signal every caller handles.
+
+        A call the storage retried after a connection error (study.sweep.storage.retrying) may find the trial ended
+        by its own first try, whose reply was lost. The token this call wrote first tells: the trial ended with it
+        is this call's own update, not another process's (one that marked the trial before this call did and ended
+        it during the outage would be taken for this call's too: both then queue a retry, and the second of the
+        key's attempts to be claimed is dropped as a duplicate)."""
+        token = uuid.uuid4().hex
+        self.storage.set_trial_user_attr(trial_id, ENDED_BY, token)
         try:
-            self.storage.set_trial_state_values(claimed.trial_id, state=state, values=values)
+            return self.storage.set_trial_state_values(trial_id, state=state, values=None if value is None else [value])
         except optuna.exceptions.UpdateFinishedTrialError:
-            t = self.storage.get_trial(claimed.trial_id)
-            if not (t.state == state and t.user_attrs.get("worker") == self.worker and t.values == values):
-                raise
+            if getattr(self.storage, "last_call_retried", False):
+                t = self.storage.get_trial(trial_id)
+                if t.state == state and t.user_attrs.get(ENDED_BY) == token:
+                    return True
+            raise
 
     def release(self, claimed: Claimed, reason: str) -> None:
         """Give a claimed trial back (this worker is stopping): fail it and re-queue it."""

@@ -193,6 +193,9 @@ class _RetryingCalls(BaseStorage):
         self.inner, self.retry_s, self.name = inner, retry_s, name
         self.recovered_at = 0.0  # when the last outage ended (0: none seen): the queue's grace period restarts
         self.gave_up = False  # after one outage outlasted retry_s, calls fail at once (the worker is stopping)
+        # whether the last call was tried again after a connection error: its first try may have landed with its
+        # reply lost, so an answer such as "already finished" may describe this process's own update
+        self.last_call_retried = False
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         outage_started, delay = None, RETRY_FIRST_S
@@ -201,6 +204,7 @@ class _RetryingCalls(BaseStorage):
                 result = getattr(self.inner, method)(*args, **kwargs)
             except Exception as err:
                 if not _transient(err):
+                    self.last_call_retried = outage_started is not None
                     raise
                 now = time.time()
                 if outage_started is None:
@@ -216,6 +220,7 @@ class _RetryingCalls(BaseStorage):
                 time.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
                 continue
+            self.last_call_retried = outage_started is not None
             if outage_started is not None:
                 self.recovered_at = time.time()
                 log.warning("storage %s reachable again after %.0f s", self.name, self.recovered_at - outage_started)
