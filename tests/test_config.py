@@ -179,6 +179,16 @@ def test_segment_embeddings_only_on_encoders():
     assert any(p.startswith("type_vocab_size:") for p in problems)
 
 
+def test_segment_embeddings_have_the_two_rows_sentence_pairs_index():
+    """GLUE pairs and NSP give segment ids 0 and 1: one row fails at the first pair (a suite's third task), a third
+    row is a parameter nothing reads."""
+    for size in (1, 3):
+        problems, text = problems_of(arch="encoder", objective="mlm", type_vocab_size=size)
+        assert [p for p in problems if p.startswith("type_vocab_size:")], size
+        assert "0 (no segment embeddings) or 2" in text
+    assert ModelConfig(arch="encoder", objective="mlm", type_vocab_size=2).type_vocab_size == 2
+
+
 def test_experiment_errors_list_every_section_with_its_prefix():
     from study.config import ExperimentConfig
 

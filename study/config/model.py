@@ -148,7 +148,10 @@ class ModelConfig(Config):
             v = getattr(self, name)
             p.check(v is None or 0.0 <= v < 1.0, name, f"must be in [0, 1), got {v}")
         p.check(0 <= self.pad_token_id < self.vocab_size, "pad_token_id", f"must be in [0, vocab_size={self.vocab_size})")
-        p.check(self.type_vocab_size >= 0, "type_vocab_size", f"must be >= 0, got {self.type_vocab_size}")
+        # the inputs carry segment ids 0 and 1 (BERT's sentence pairs): one row would be indexed out of range by the
+        # first pair, rows past two would be parameters nothing reads
+        p.check(self.type_vocab_size in (0, 2), "type_vocab_size",
+                f"0 (no segment embeddings) or 2 (segment ids 0/1 of BERT's sentence pairs), got {self.type_vocab_size}")
 
     def _validate_heads(self, p: Problems) -> None:
         if self.n_heads < 1:
@@ -245,7 +248,7 @@ class ModelConfig(Config):
         if self.nsp:
             p.check(self.arch == "encoder" and self.objective == "mlm", "nsp",
                     f"next-sentence prediction needs arch='encoder' with objective='mlm', got arch={self.arch!r}")
-            p.check(self.type_vocab_size >= 2, "type_vocab_size", "nsp needs segment embeddings: type_vocab_size >= 2")
+            p.check(self.type_vocab_size == 2, "type_vocab_size", "nsp needs segment embeddings: type_vocab_size: 2")
         if self.type_vocab_size:
             p.check(self.arch == "encoder", "type_vocab_size",
                     f"segment embeddings are only read by arch='encoder' (sentence pairs), got arch={self.arch!r}")
