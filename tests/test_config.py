@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from study.axes import ACTIVATIONS, AXES, NORMS
-from study.config import PRESETS, ConfigError, ModelConfig, TrainConfig, axis_choices, parse_overrides, preset
+from study.config import (PRESETS, ConfigError, ExperimentConfig, ModelConfig, TrainConfig, axis_choices,
+                          parse_overrides, preset)
 
 
 def problems_of(**fields):
@@ -289,11 +290,11 @@ def test_weight_averaging_is_refused_where_the_weights_are_bf16():
 @pytest.mark.parametrize(("task", "window", "longest"), [
     ({"name": "pretrain", "dataset": "wikitext-2", "seq_len": 128, "vocab_size": 8000}, 128, 128),
     ({"name": "lm", "dataset": "tinyshakespeare", "seq_len": 64, "eval_lengths": [1, 2]}, 200, 128),
-    ({"name": "translation", "dataset": "multi30k", "seq_len": 62, "vocab_size": 8000}, 64, 64),
+    ({"name": "translation", "dataset": "multi30k", "seq_len": 63, "vocab_size": 8000}, 64, 64),
 ])
 def test_a_window_that_spans_every_sequence_the_task_runs_is_refused_naming_model_window(task, window, longest):
     """It would mask nothing: the run would be global attention labelled local (a preset's 4,096-token window at
-    seq_len 128). Language modelling counts its longest evaluation; translation a sentence's BOS and EOS."""
+    seq_len 128). Language modelling counts its longest evaluation; translation the decoder's BOS."""
     from study.config import ExperimentConfig
 
     arch = {"pretrain": "encoder", "lm": "decoder", "translation": "encoder-decoder"}[task["name"]]
@@ -310,3 +311,32 @@ def test_an_unknown_arch_is_one_error_not_also_one_about_the_objective_it_would_
     assert err.value.problems == ["arch: 'decoder-only' is not one of ['decoder', 'encoder', 'encoder-decoder']"]
     with pytest.raises(ConfigError, match="objective: 'xx' is not one of"):
         ModelConfig(arch="decoder", objective="xx")
+
+
+def test_pretraining_seq_len_leaves_room_for_text_around_its_special_tokens():
+    """[CLS] A [SEP] B [SEP] (NSP) or [CLS] text [SEP] around at least two tokens: refused when the config is built,
+    not after WikiText-2 is read and a WordPiece vocabulary trained."""
+    def pretrain(seq_len: int, nsp: bool) -> dict:
+        return {"model": {"arch": "encoder", "objective": "mlm", "nsp": nsp, "type_vocab_size": 2 if nsp else 0},
+                "task": {"name": "pretrain", "dataset": "wikitext-2", "seq_len": seq_len, "vocab_size": 100}}
+
+    for seq_len, nsp in [(4, True), (3, False)]:
+        with pytest.raises(ConfigError, match=r"task.seq_len: pretraining.* needs >= "):
+            ExperimentConfig.from_dict(pretrain(seq_len, nsp))
+    assert ExperimentConfig.from_dict(pretrain(5, True)).task.seq_len == 5
+    assert ExperimentConfig.from_dict(pretrain(4, False)).task.seq_len == 4
+
+
+def test_a_translation_decoder_reads_bos_and_the_sentence_so_positions_and_windows_count_seq_len_plus_one():
+    """Sources are cut to seq_len tokens and the decoder's input is BOS + at most seq_len target tokens: seq_len + 1
+    learned positions suffice, and a window of seq_len + 1 would mask nothing in training."""
+    def translation(**model) -> dict:
+        return {"model": {"arch": "encoder-decoder", **model}, "task": {"name": "translation", "dataset": "multi30k", "seq_len": 20,
+                                                                  "vocab_size": 1000}}
+
+    assert ExperimentConfig.from_dict(translation(position="learned", max_seq_len=21)).model.max_seq_len == 21
+    with pytest.raises(ConfigError, match=r"task.seq_len: 20 \(\+ BOS\) exceeds model.max_seq_len=20"):
+        ExperimentConfig.from_dict(translation(position="learned", max_seq_len=20))
+    with pytest.raises(ConfigError, match=r"model.window: 21 spans every sequence"):
+        ExperimentConfig.from_dict(translation(window=21))
+    assert ExperimentConfig.from_dict(translation(window=20)).model.window == 20

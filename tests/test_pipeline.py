@@ -69,6 +69,12 @@ def test_a_pipeline_pretrains_then_finetunes_from_that_run(data, tmp_path, monke
     pre_dir = tmp_path / "runs" / content_hash(cfg.stages["pretrain"]) / "seed-0"
     assert m["stages"]["pretrain"]["run_dir"] == str(pre_dir) and RunDir(pre_dir).finished()
     assert m["stages"]["glue"]["run_dir"] == str(tmp_path / "trial" / "glue")
+    # what every stage read, at the top (a results table's data.fingerprint)
+    from study.io import read_json
+
+    stage_dirs = {"pretrain": pre_dir, "glue": tmp_path / "trial" / "glue"}
+    data_json = read_json(tmp_path / "trial" / "data.json")["stages"]
+    assert data_json == {n: read_json(RunDir(d).data) for n, d in stage_dirs.items()} and data_json["glue"]
     # the last stage's metrics, each earlier stage's under its name, both declared
     assert 0 <= m["metrics"]["glue_score"] <= 100 and "SST-2/accuracy" in m["metrics"]
     assert m["metrics"]["pretrain"]["valid_mlm_loss"] > 0 and m["metrics"]["pretrain"]["valid_nsp_accuracy"] >= 0
@@ -268,3 +274,20 @@ def test_a_stage_named_like_a_number_of_the_pipeline_record_is_refused_before_an
         run_sweep(tmp_path / "clash.yaml", SweepOptions(results=tmp_path / "results", estimate_rate=1e11),
                   say=lambda s: None)
     assert not (tmp_path / "results").exists()
+
+
+def test_a_fine_tuning_stage_is_checked_against_the_pretrained_model_not_its_placeholder_section():
+    """task.init_from replaces the model section, so the section as written (learned positions, 512 rows by default)
+    says nothing: a seq_len the pretrained positions cannot address is refused naming the stage; one they can is
+    accepted, whatever the placeholder would have allowed."""
+    from study.config import ConfigError
+    from study.run.pipeline import refuse_unrunnable_stages
+
+    s = stages()
+    s["pretrain"]["model"].update(position="learned", max_seq_len=32)
+    s["glue"]["task"]["seq_len"] = 64
+    with pytest.raises(ConfigError, match=r"stages\.glue\.task\.seq_len: 64 exceeds model\.max_seq_len=32"):
+        refuse_unrunnable_stages(PipelineConfig.from_dict({"name": "p", "stages": s}))
+    s["pretrain"]["model"].update(position="alibi")
+    s["glue"]["task"]["seq_len"] = 1024  # beyond the placeholder's 512 learned rows
+    refuse_unrunnable_stages(PipelineConfig.from_dict({"name": "p", "stages": s}))

@@ -39,6 +39,20 @@ def test_nsp_in_a_glue_sweep_is_refused_because_the_nsp_head_is_never_trained(tm
     assert "axes.nsp: model.nsp does not reach the trained model" in text and "pretraining stage" in text
 
 
+def test_tied_embeddings_in_a_glue_sweep_from_scratch_are_refused_because_the_classifier_reads_no_projection(
+        tmp_path):
+    """Tied or not, a GLUE classifier from scratch is one architecture: only the embedding's first draw differs, so
+    such an axis would measure seed noise. And a from-scratch run records (and builds) no next-sentence head."""
+    from study.config import ExperimentConfig
+    from study.tasks import family
+
+    text = refused(tmp_path, **GLUE, axes={"model.tie_embeddings": [True, False]})
+    assert "axes.tie_embeddings: model.tie_embeddings does not reach the trained model" in text
+    cfg = ExperimentConfig.from_dict({"model": {"preset": "bert", "d_model": 16, "n_heads": 2, "n_layers": 1},
+                                      "task": {"name": "glue", "dataset": "sst2", "vocab_size": 100, "seq_len": 64}})
+    assert cfg.model.nsp and not family("glue").resolve(cfg).model.nsp
+
+
 def test_model_axes_under_init_from_are_refused_naming_each(tmp_path):
     spec = {**GLUE, "set": {**GLUE["set"], "task.init_from": "runs/some-pretrain-run"}}
     text = refused(tmp_path, **spec, axes={"model.norm": ["rmsnorm", "layernorm"], "model.position": ["rope", "alibi"]})
@@ -133,3 +147,34 @@ def test_a_suite_field_its_data_caps_per_task_is_refused_as_an_axis_where_a_valu
     assert "task.epochs passes over its training set" in str(err.value)
     path.write_text(yaml.safe_dump({**spec, "axes": {"train.lr": [1e-3, 3e-4]}}, sort_keys=False))
     prepare(path, options, say=lambda _: None)  # a field no task caps
+
+
+def test_a_setting_the_task_never_reads_in_the_base_config_is_refused_before_any_point_trains(tmp_path):
+    """The base (not an axis, not `set`) sets a field the task never reads: every trial's config.yaml would record a
+    beam size a language model never used; the spec is refused naming it, once (a `set` one is said as a `set`)."""
+    base = yaml.safe_load((EXPERIMENTS / "ablation_base.yaml").read_text())
+    base["task"]["beam_size"] = 3
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    text = refused(tmp_path, base=str(tmp_path / "base.yaml"), axes={"model.norm": ["layernorm", "rmsnorm"]})
+    assert "base: task.beam_size: task 'lm' does not read it, so 3 would never run" in text
+    text = refused(tmp_path, base=str(tmp_path / "base.yaml"), set={"task.beam_size": 4},
+                   axes={"model.norm": ["layernorm", "rmsnorm"]})
+    assert text.count("task.beam_size") == text.count("set: task.beam_size does not reach") >= 1
+
+
+def test_study_run_refuses_a_setting_its_task_never_reads_before_reading_any_data(tmp_path):
+    """`study run` (run_experiment) and a pipeline's stages: label smoothing on BERT pretraining is refused, naming
+    the field (and the stage), before the data folder, which does not exist here, is read."""
+    from study.config import ConfigError, ExperimentConfig, PipelineConfig
+    from study.run import run_experiment
+
+    pretrain = yaml.safe_load((EXPERIMENTS / "wikitext2_bert_pretrain_nsp.yaml").read_text())
+    pretrain["train"]["label_smoothing"] = 0.1
+    with pytest.raises(ConfigError, match=r"train.label_smoothing: task 'pretrain' does not read it, so 0.1 would"):
+        run_experiment(ExperimentConfig.from_dict(pretrain), tmp_path / "run", data_dir=tmp_path / "absent")
+    pipeline = yaml.safe_load((EXPERIMENTS / "pretrain_then_glue.yaml").read_text())
+    first = next(iter(pipeline["stages"]))
+    pipeline["stages"][first].setdefault("train", {})["label_smoothing"] = 0.1
+    with pytest.raises(ConfigError, match=rf"stages.{first}.train.label_smoothing: task 'pretrain' does not read"):
+        run_experiment(PipelineConfig.from_dict(pipeline), tmp_path / "pipe", data_dir=tmp_path / "absent")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "pipe" / "stages").exists()

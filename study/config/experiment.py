@@ -53,6 +53,10 @@ class ExperimentConfig(Config):
         p.check(m.arch == t.arch, "model.arch", f"task {t.name!r} trains arch={t.arch!r}, got arch={m.arch!r}")
         if t.name == "pretrain" or t.name == "glue":
             p.check(m.objective == "mlm", "model.objective", f"task {t.name!r} needs objective='mlm'")
+        if t.name == "pretrain":  # [CLS] A [SEP] (B [SEP]) around at least two tokens of text (study.tasks.pretrain)
+            shortest = 5 if m.nsp else 4
+            p.check(t.seq_len >= shortest, "task.seq_len", f"pretraining{' with nsp' if m.nsp else ''} needs >= "
+                    f"{shortest} ([CLS]/[SEP] around at least two tokens of text), got {t.seq_len}")
         if t.nsp_weight != 1.0:
             p.check(m.nsp, "task.nsp_weight", f"weights the NSP loss, which model.nsp=false leaves out (got {t.nsp_weight})")
         if t.name == "translation" and not t.joint_vocab:
@@ -64,7 +68,17 @@ class ExperimentConfig(Config):
                 self.for_glue_task(task)
             except ConfigError as err:
                 p.add(f"task.per_task.{task}", "; ".join(err.problems))
-        self._validate_positions(p)
+        if not t.init_from:  # else the model section is the pretrained run's, validated with it when resolved
+            self._validate_positions(p)
+
+    def check_resolved_model(self) -> None:
+        """Raise ConfigError where the task's sequences do not fit the model that will run: a config with
+        task.init_from is checked here once its model section is the pretrained run's (the one it was written with
+        is a placeholder, not checked when it is built)."""
+        problems = Problems()
+        self._validate_positions(problems)
+        if problems.items:
+            raise ConfigError(type(self).__name__, problems.items)
 
     def _validate_positions(self, p: Problems) -> None:
         """The task's sequences fit what the position scheme can address (a learned table: model.max_seq_len)."""
@@ -73,9 +87,10 @@ class ExperimentConfig(Config):
         m, t = self.model, self.task
         limit = POSITIONS[m.position].max_positions(m)
         if limit is not None:
-            longest = t.seq_len + (2 if t.name == "translation" else 0)  # BOS/EOS around a sentence
+            longest = t.seq_len + (1 if t.name == "translation" else 0)  # the decoder's input: BOS + the sentence
+            plus = " (+ BOS)" if t.name == "translation" else ""
             p.check(longest <= limit, "task.seq_len",
-                    f"{t.seq_len} (+ special tokens) exceeds model.max_seq_len={m.max_seq_len}, the length "
+                    f"{t.seq_len}{plus} exceeds model.max_seq_len={m.max_seq_len}, the length "
                     f"{m.position} positions can address; raise model.max_seq_len or shorten task.seq_len")
         self._validate_window(p)
 
@@ -86,7 +101,7 @@ class ExperimentConfig(Config):
         m, t = self.model, self.task
         if m.window is None:
             return
-        longest = t.seq_len + (2 if t.name == "translation" else 0)  # BOS/EOS around a sentence
+        longest = t.seq_len + (1 if t.name == "translation" else 0)  # the decoder's input: BOS + the sentence
         if t.name == "lm":  # language modelling also evaluates at multiples of seq_len (task.eval_lengths)
             longest = t.seq_len * max(t.eval_lengths, default=1)
         p.check(m.window < longest, "model.window",

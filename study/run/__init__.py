@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from study.config import ExperimentConfig, PipelineConfig
+from study.config import ConfigError, ExperimentConfig, PipelineConfig
 from study.model.precision import emulated_bf16, resolve_precision
 from study.run.conflict import RunDirConflict
 
@@ -47,6 +47,8 @@ def run_experiment(
     if why := emulated_bf16(cfg.train.precision, cfg.train.accelerator):
         warnings.warn(f"study: {why}; train.precision 32-true (or auto) trains at the float32 rate", stacklevel=2)
     task = family(cfg.task.name)
+    if problems := task.unread_settings(cfg):
+        raise ConfigError("ExperimentConfig", problems)
     cfg = task.resolve(cfg)  # init_from problems surface here, before any data or training
     if task.suite:
         from study.run.suite import run_suite

@@ -2,6 +2,7 @@
 
     <run_dir>/config.yaml     the pipeline (each stage's config; `task.init_from: stage:<name>` where a stage starts
                               from another)
+    <run_dir>/data.json       each stage's data.json under its name (what every stage read)
     <run_dir>/metrics.json    the last stage's metrics, with each earlier stage's under its name
                               (`pretrain.valid_mlm_loss`), and `stages`: where each stage ran; its cost: every
                               stage's time summed (`fit_seconds`, as `steps`), the last stage's model (`parameters`),
@@ -29,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 from study.config import ConfigError, ExperimentConfig, PipelineConfig, content_hash
 from study.config.pipeline import stage_ref
-from study.io import atomic_write_json, atomic_write_text, exclusive_lock
+from study.io import atomic_write_json, atomic_write_text, exclusive_lock, read_json_or_none
 from study.model.precision import resolve_precision
 from study.record import COMPLETED, RunDir, extras, make_record, stage_run_dirs, stopped_by_any
 from study.run.conflict import finished_run, handed_back
@@ -70,7 +71,7 @@ def run_dir_lock(directory: str | Path, on_wait: Callable[[], None] | None = Non
     if launch_rank() != 0:
         yield
         return
-    directory = Path(directory)
+    directory = Path(directory).resolve()  # one lock file however the directory is spelled (a symlink, say)
 
     def waiting() -> None:  # say why this trial does nothing for a while (its log is read to find out)
         log.warning("%s is being run by another process; waiting for it to finish", directory)
@@ -122,7 +123,8 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
         if record["status"] != COMPLETED:  # a diverged stage is the pipeline's result: nothing to start from
             break
     record = _pipeline_record(cfg, ran, time.time() - started)
-    if writes:
+    if writes:  # what each stage read (a results table's data.fingerprint), then the record
+        atomic_write_json(run.data, {"stages": {n: read_json_or_none(RunDir(d).data) for n, (d, _) in ran.items()}})
         run.write(record)
     return record
 
@@ -147,11 +149,14 @@ def refuse_unrunnable_stages(cfg: PipelineConfig) -> None:
     raise the first problem naming its stage. A later stage is otherwise resolved only once the stages before it have
     trained, so a combination that cannot run (a fine-tuning seq_len beyond the pretrained positions, a start from a
     stage that leaves no single model to start from) would fail after hours of pretraining rather than before it."""
-    from study.tasks import resolved_stage
+    from study.tasks import family, resolved_stage
 
     if problems := stage_name_problems(cfg):
         raise ConfigError("PipelineConfig", problems)
     for name in cfg.stages:  # in order: a stage's problem is raised before those of the stages that start from it
+        stage = cfg.stages[name]
+        if problems := family(stage.task.name).unread_settings(stage):
+            raise ConfigError("PipelineConfig", [f"stages.{name}.{p}" for p in problems])
         try:
             resolved_stage(cfg, name)
         except ConfigError as err:

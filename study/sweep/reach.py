@@ -117,6 +117,11 @@ def reach_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig,
             problem = value_problem(spec, cfg, path, partly)
             if problem:
                 problems.append(f"{where}: {problem}")
+    named = {path for fields in [*assignments.values(), *(stated or {}).values()] for path in fields}
+    for stage in spec.stage_names or [None]:  # what the base config itself sets (an axis or `set`: said above)
+        exp, where = stage_config(cfg, stage), f"{stage}." if stage else ""
+        problems += [f"base: {where}{p}" for p in family(exp.task.name).unread_settings(exp)
+                     if f"{where}{p.partition(':')[0]}" not in named]
     first = stage_config(cfg, spec.stage_names[0] if spec.stage_names else None)
     if not family(first.task.name).reads_train_seed(first):
         where = f"the {spec.stage_names[0]} stage's " if spec.stage_names else ""

@@ -190,6 +190,24 @@ class TaskFamily(abc.ABC):
                     for n in self.data_decided_model_fields})
         return out
 
+    def unread_settings(self, cfg: "ExperimentConfig") -> list[str]:
+        """One problem per task or training field `cfg` sets away from its default that this family never reads
+        there (`unread_fields`): the run's config.yaml would record a setting that never ran (label smoothing on a
+        pretraining run, a beam size on language modelling)."""
+        from study.config.task import TaskConfig
+        from study.config.train import TrainConfig
+
+        defaults = {f"{section}.{f.name}": f.default_factory() if f.default is dataclasses.MISSING else f.default
+                    for section, kind in (("task", TaskConfig), ("train", TrainConfig))
+                    for f in dataclasses.fields(kind)}
+        problems = []
+        for path, why in self.unread_fields(cfg).items():
+            section, _, name = path.partition(".")
+            if path in defaults and getattr(getattr(cfg, section), name) != defaults[path]:
+                problems.append(f"{path}: {why}, so {getattr(getattr(cfg, section), name)!r} would never run; leave "
+                                f"it out (its default: {defaults[path]!r})")
+        return problems
+
     def overridden_fields(self, cfg: "ExperimentConfig") -> dict[str, str]:
         """`section.field` -> why, for fields `cfg` sets but that do not reach the trained model (beyond
         `unread_fields`), e.g. the model fields a pretrained run decides."""

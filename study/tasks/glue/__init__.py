@@ -123,7 +123,10 @@ class Glue(TaskFamily):
     # -- what reaches the model ------------------------------------------------------------------------------
     def overridden_fields(self, cfg: ExperimentConfig) -> dict[str, str]:
         out = {"model.nsp": "GLUE fine-tuning drops the next-sentence head, so it is never trained here; vary "
-                            "model.nsp where the encoder is pretrained (a pipeline's pretraining stage)"}
+                            "model.nsp where the encoder is pretrained (a pipeline's pretraining stage)",
+               "model.tie_embeddings": "the classifier reads no vocabulary projection, so tying it to the embedding "
+                                       "changes only how the embedding is first drawn; vary it where the encoder is "
+                                       "pretrained (a pipeline's pretraining stage)"}
         if cfg.task.init_from:
             why = ("task.init_from takes the architecture from the pretrained run; vary it where the encoder is "
                    "pretrained (a pipeline's pretraining stage)")
@@ -150,9 +153,10 @@ class Glue(TaskFamily):
     # -- hooks -----------------------------------------------------------------------------------------------
     def resolve(self, cfg: ExperimentConfig, pretrained: ExperimentConfig | None = None) -> ExperimentConfig:
         """With task.init_from, the model section becomes the pretrained architecture (NSP head dropped), keeping
-        this config's dropout; the combination is validated again (e.g. seq_len against learned positions)."""
+        this config's dropout; the combination is validated again (e.g. seq_len against learned positions). From
+        scratch, the model section as written, without a next-sentence head (fine-tuning never trains one)."""
         if not cfg.task.init_from:
-            return cfg
+            return cfg.replace(model=cfg.model.replace(nsp=False)) if cfg.model.nsp else cfg
         if pretrained is None:
             if stage_ref(cfg.task.init_from) is not None:
                 raise ValueError(f"task.init_from: {cfg.task.init_from!r} names a pipeline stage; run the pipeline")
@@ -165,7 +169,9 @@ class Glue(TaskFamily):
             check_pretrained(pretrained, str(cfg.task.init_from))
         model = pretrained.model.replace(nsp=False, dropout=cfg.model.dropout,
                                          attention_dropout=cfg.model.attention_dropout)
-        return cfg.replace(model=model)
+        resolved = cfg.replace(model=model)
+        resolved.check_resolved_model()
+        return resolved
 
     def sub_runs(self, cfg: ExperimentConfig, data_dir: str | Path | None) -> list[SubRun]:
         """One run per (task, fine-tuning seed): the task's per-task settings applied, its steps capped at
