@@ -86,7 +86,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except PermissionError as err:
         return _cannot_write("run", err)
     except KeyboardInterrupt:
-        print(f"study run: interrupted; {_resumes_from(out)}", file=sys.stderr)
+        print(f"study run: interrupted; {_resumes_from(out, args.force)}", file=sys.stderr)
         return 130
     summary = {k: v for k, v in metrics["metrics"].items() if not isinstance(v, dict)}
     print(json.dumps({"run_dir": str(out), "status": metrics["status"], "steps": metrics["steps"], **summary}, indent=2))
@@ -126,18 +126,22 @@ def _held(run_dir: Path):
     return run_dir_lock(run_dir, on_wait=taken)
 
 
-def _resumes_from(run_dir: Path) -> str:
-    """What an interrupted `study run` left in its run directory, and how to go on."""
+def _resumes_from(run_dir: Path, forced: bool = False) -> str:
+    """What an interrupted `study run` left in its run directory, and how to go on (`forced`: it ran with --force,
+    which given again would discard the checkpoint, and a pipeline's finished stages, once more)."""
     from study.record import RunDir
 
     run = RunDir(run_dir)
     if run.finished():
-        return f"{run_dir} holds the finished run"
+        return (f"{run_dir} still holds the run it held (--force had not replaced it yet); the same command replaces "
+                "it" if forced else f"{run_dir} holds the finished run")
     if not run.path.is_dir():
         return "nothing was written"
+    again = "the same command without --force" if forced else "the same command"
     if next(run.path.rglob("last.ckpt"), None) is not None:  # (a suite's or a pipeline's: in its parts)
-        return f"no result recorded; the same command resumes {run_dir} from its last checkpoint"
-    return f"no result recorded; the same command runs {run_dir} again (no checkpoint had been written)"
+        return f"no result recorded; {again} resumes {run_dir} from its last checkpoint" + (
+            " (with --force it would start again from scratch)" if forced else "")
+    return f"no result recorded; {again} runs {run_dir} again (no checkpoint had been written)"
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:

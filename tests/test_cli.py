@@ -256,3 +256,14 @@ def test_a_sweep_override_that_is_not_a_value_names_its_field(workdir, capsys):
     err = capsys.readouterr().err
     assert "override seeds" in err and "not a YAML value" in err and "Traceback" not in err
     assert not (workdir / "results").exists()
+
+
+def test_an_interrupted_forced_run_is_resumed_by_the_command_without_force(tmp_path):
+    """Given again, --force would discard the checkpoint (and a pipeline's finished stages) once more."""
+    from study.cli import _resumes_from
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    said = _resumes_from(tmp_path / "run", forced=True)
+    assert "the same command without --force resumes" in said and "start again from scratch" in said
+    assert "the same command resumes" in _resumes_from(tmp_path / "run")

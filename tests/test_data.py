@@ -357,6 +357,21 @@ def test_multi30k_local(root):
     assert c2.splits["test_2018_flickr"] == [("Ein Boot.", "A boat.")]
 
 
+def test_multi30k_requires_only_the_splits_a_run_reads(root):
+    """A folder with train, val and the 2016 test set serves a run that scores only that test set (offline it was
+    refused for the 2017 files, online replaced by the hub's copy); a test set it asks for and lacks is named."""
+    for stem in ("test_2017_flickr", "test_2017_mscoco"):
+        for lang in ("de", "en"):
+            (root / f"multi30k/raw/{stem}.{lang}.gz").unlink()
+    c = load_translation("multi30k", "de", "en", data_dir=root, needed=("train", "valid", "test_2016_flickr"))
+    assert list(c.splits) == ["train", "valid", "test_2016_flickr"] and c.fingerprint["source"] == "local"
+    with pytest.raises(DatasetUnavailable) as ei:
+        load_translation("multi30k", "de", "en", data_dir=root, needed=("train", "valid", "test_2018_flickr"))
+    assert "multi30k/raw/test_2018_flickr.de.gz" in str(ei.value)
+    with pytest.raises(DatasetUnavailable):  # no `needed`: every split but the optional 2018 one, as before
+        load_translation("multi30k", "de", "en", data_dir=root)
+
+
 def test_czech_multi30k_has_no_2017_test_sets_and_loads_without_them(root):
     """Czech joined Multi30k in 2018: its release has train, val, test_2016_flickr and test_2018_flickr only."""
     for stem in ("train", "val", "test_2016_flickr", "test_2018_flickr"):

@@ -721,3 +721,15 @@ def test_with_accumulation_a_step_logs_its_mean_loss_and_a_time_budget_stops_bet
         m = run(corpus, make_cfg(train={"accumulate": 4, "batch_size": 4, "max_steps": 100000, "max_time_s": budget,
                                         "eval_every": 100000, "checkpoint_every": 100000}), f"budget-{i}")
         assert m["stopped_by"] == "time" and m["train_tokens"] == m["steps"] * 4 * 4 * SEQ_LEN
+
+
+def test_an_evaluation_split_shorter_than_one_window_is_refused_naming_it(tmp_path):
+    """A truncated or empty valid file would score valid_loss 0.0 (no window: nothing summed) or fail at the first
+    validation, after training steps: refused when the data is read, naming the split."""
+    folder = tmp_path / "data" / "tinyshakespeare"
+    folder.mkdir(parents=True)
+    (folder / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 4)
+    with pytest.raises(ValueError, match=r"the tinyshakespeare valid split holds \d+ tokens, fewer than one window"):
+        run_experiment(make_cfg(task={"seq_len": 32, "eval_lengths": [1]}, model={"max_seq_len": 32}),
+                       tmp_path / "run", data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -402,8 +402,10 @@ def test_an_unknown_test_set_fails_before_training(split, data_root, tmp_path, m
         run_experiment(config(task={"test_sets": ["test_2016_flickr", split]}), tmp_path / "run", data_dir=data_root,
                        cache_dir=tmp_path / "cache")
     msg = str(ei.value)
-    # test_2018_flickr is a real Multi30k test set, optional in the release and absent from this folder
-    assert "task.test_sets" in msg and split in msg and "test_2017_mscoco" in msg  # names what is available
+    if split == "test_2018_flickr":  # a real Multi30k test set, optional in the release and absent from this folder
+        assert "missing file(s)" in msg and "multi30k/raw/test_2018_flickr.de.gz" in msg  # names the files it needs
+    else:
+        assert "task.test_sets" in msg and split in msg and "test_2017_mscoco" in msg  # names what is available
     assert not (tmp_path / "run" / "model.pt").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 

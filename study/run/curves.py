@@ -10,6 +10,7 @@ to or replaced whole (`study.io.atomic_write`).
 from __future__ import annotations
 
 import csv
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,10 @@ def rows_before(csv_path: Path, ckpt_path: Path) -> list[dict[str, str]]:
         return []
     step = int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
     with open(csv_path, newline="") as f:
-        rows = list(csv.DictReader(f))
+        text = f.read()
+    if not text.endswith("\n"):  # an append a kill or a full disk cut short: its last row is a fragment
+        text = text[: text.rfind("\n") + 1]
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
     return [{k: v for k, v in row.items() if k and v not in ("", None)}
             for row in rows if row.get("step", "").isdigit() and int(row["step"]) < step]
 

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -71,7 +72,8 @@ def _step_checkpoint(run: RunDir, every: int, validates_every: int):
 def readable_checkpoint(run: RunDir) -> Path | None:
     """The run's last checkpoint when it can be read, else None. Checkpoints are written atomically, so an unreadable
     one was damaged from outside (a disk, a copy, a hand): it is moved aside with a warning (never deleted) and the
-    run starts from scratch, instead of failing the same way on every attempt."""
+    run starts from scratch, instead of failing the same way on every attempt. A read that fails for the disk or the
+    memory (OSError, MemoryError: a network filesystem's hiccup) raises: the checkpoint is good, a retry resumes it."""
     path = run.last_checkpoint
     if not path.exists():
         return None
@@ -79,6 +81,8 @@ def readable_checkpoint(run: RunDir) -> Path | None:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or "state_dict" not in state or "global_step" not in state:
             raise ValueError("not a Lightning checkpoint (no state_dict or global_step)")
+    except (OSError, MemoryError):  # the disk or the memory failed, not the file: the attempt fails, the file stays
+        raise
     except Exception as err:  # torch raises many kinds for a damaged file: each means the same here
         if launch_rank() == 0:
             aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
@@ -89,14 +93,18 @@ def readable_checkpoint(run: RunDir) -> Path | None:
     return path
 
 
-def discard_result(run: RunDir) -> None:
+def discard_result(run: RunDir, outputs: tuple[str, ...] = ()) -> None:
     """What a forced rerun replaces, removed before its config.yaml is written: the checkpoint (it may be of another
-    config), and the old result (metrics.json, model.pt). Left in place, a forced rerun killed before its end would
-    leave the old record beside the new config.yaml, and the next run of that config would hand it back, finished,
-    as its own result."""
+    config), and the old result (metrics.json, model.pt, and the task's `outputs`: its module's `output_paths`, such
+    as GLUE's test predictions). Left in place, a forced rerun killed before its end would leave the old record
+    beside the new config.yaml, and the next run of that config would hand it back, finished, as its own result; an
+    old prediction file the new run does not write (a test split gone from the data) would be submitted as its own."""
     if launch_rank() == 0:
-        for path in (run.metrics, run.weights, run.last_checkpoint):
-            path.unlink(missing_ok=True)
+        for path in (run.metrics, run.weights, run.last_checkpoint, *(run.path / p for p in outputs)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def replaced_start(run: RunDir, init_from: str | Path | None) -> str | None:
@@ -267,8 +275,6 @@ def run_single(
     family's part metrics).
     Optional hooks: `DataModule.save_artifacts(run_dir)` (e.g. the tokenizer) and `Module.save_outputs(run_dir)`
     (e.g. test-set predictions) are called on rank zero, after the config and after the final metrics."""
-    import lightning as L
-
     run = RunDir(run_dir)
     family_ = family(cfg.task.name)
     decided = family_.data_decided_model_fields
@@ -281,14 +287,24 @@ def run_single(
     dm, cfg = _prepare_data(cfg, data_dir, cache_dir)
     finished_run(run, cfg, force, data_decided=())  # a directory holding another config's (unfinished) run
     if force or replaced:
-        discard_result(run)
+        discard_result(run, family_.implementation()[1].output_paths)
     if (resume_from := readable_checkpoint(run)) is not None:
         refuse_other_data(run, dm.fingerprint)  # before data.json is rewritten with what was read now
     prepare_training_process(cfg.train.accelerator)  # before env.json records it
     _write_inputs(run, cfg, dm, resumes=resume_from is not None)
+    try:
+        return _train(run, cfg, dm, resume_from, started, declared)
+    except ValueError as err:  # the inputs were checked above: now a ValueError is the run's failure, not bad input
+        raise RuntimeError(f"the run in {run.path} failed: {type(err).__name__}: {err}") from err
+
+
+def _train(run: RunDir, cfg: ExperimentConfig, dm, resume_from: Path | None, started: float,
+           declared: dict[str, dict] | None) -> dict[str, Any]:
+    """Fit, score and record the run whose inputs were written (run_single)."""
+    import lightning as L
 
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-    module = family_.implementation()[1](cfg)
+    module = family(cfg.task.name).implementation()[1](cfg)
     reset_peak_memory(cfg.train.accelerator)  # this run's peak, not an earlier part's or stage's in this process
     trainer = _trainer(run, cfg, _loggers(run, cfg, resume_from))
     _fit(trainer, module, dm, resume_from)

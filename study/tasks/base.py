@@ -15,7 +15,7 @@ import dataclasses
 import math
 import re
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import lightning as L
 import numpy as np
@@ -168,6 +168,10 @@ def layer_grad_norms(model: nn.Module) -> dict[str, float]:
 
 
 class StudyModule(L.LightningModule):
+    # what `save_outputs(run_dir)` writes beside the record (files or folders, relative to the run directory): a
+    # forced rerun removes them with the old result (study.run.single.discard_result)
+    output_paths: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, cfg: ExperimentConfig):
         super().__init__()
         self.cfg = cfg

@@ -48,6 +48,11 @@ class LMDataModule(StudyDataModule):
         if len(self.ids["train"]) <= task.seq_len:
             raise ValueError(f"task.seq_len={task.seq_len} is not shorter than the {task.dataset} training split "
                              f"({len(self.ids['train'])} tokens)")
+        for split in sorted(set(self.ids) - {"train"}):  # a truncated or empty file would score a perfect or no loss
+            if len(self.ids[split]) <= task.seq_len:
+                raise ValueError(f"the {task.dataset} {split} split holds {len(self.ids[split])} tokens, fewer than "
+                                 f"one window of task.seq_len={task.seq_len} + 1 to evaluate; check its file "
+                                 f"({self.data_dir or 'the hub copy'})")
         self.fingerprint = {**corpus.fingerprint, "tokenizer": self.tokenizer.key,
                             "vocab_sha256": self.tokenizer.vocab_sha256,
                             "tokens": {k: len(v) for k, v in self.ids.items()}}

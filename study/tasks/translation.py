@@ -57,7 +57,8 @@ class TranslationDataModule(StudyDataModule):
 
     def prepare(self) -> None:
         task = self.cfg.task
-        self.corpus = load_translation(task.dataset, task.src_lang, task.tgt_lang, self.data_dir)
+        self.corpus = load_translation(task.dataset, task.src_lang, task.tgt_lang, self.data_dir,
+                                       needed=("train", "valid", *task.test_sets))
         missing = [s for s in task.test_sets if s not in self.corpus.splits]
         if missing:
             raise ValueError(f"task.test_sets: {missing} not in {task.dataset}; available: {sorted(self.corpus.splits)}")
@@ -119,6 +120,8 @@ def decoder_sources(cfg: ExperimentConfig, dm: TranslationDataModule, sentences:
 
 
 class TranslationModule(StudyModule):
+    output_paths = ("hypotheses",)
+
     def __init__(self, cfg: ExperimentConfig):
         super().__init__(cfg)
         self.hypotheses: dict[str, list[str]] = {}  # test set -> detokenized translations, in corpus order

@@ -108,7 +108,8 @@ def _check_langs(src: str, tgt: str, allowed: tuple[str, ...], what: str) -> Non
 # Multi30k
 
 
-def _multi30k_files(src: str, tgt: str) -> dict[str, LocalFile]:
+def _multi30k_files(src: str, tgt: str, needed: tuple[str, ...] | None = None) -> dict[str, LocalFile]:
+    """The release's files, each required when its split is `needed` (None: every split but the optional ones)."""
     files = {}
     for split, stem in multi30k_splits(src, tgt).items():
         for lang in (src, tgt):
@@ -116,7 +117,7 @@ def _multi30k_files(src: str, tgt: str) -> dict[str, LocalFile]:
             files[f"{split}.{lang}"] = LocalFile(
                 display=f"raw/{name}.gz",
                 candidates=(f"raw/{name}.gz", f"raw/{name}", f"{name}.gz", name),
-                required=split not in MULTI30K_OPTIONAL_SPLITS,
+                required=split in needed if needed is not None else split not in MULTI30K_OPTIONAL_SPLITS,
             )
     return files
 
@@ -127,10 +128,11 @@ def _read_sentences(path: Path) -> tuple[list[str], str]:
 
 
 def _multi30k_local(src: str, tgt: str, local: LocalFiles) -> TranslationCorpus:
+    """Every split whose files are there (a run reads the same folder the same way, whichever test sets it scores)."""
     splits, digests = {}, {}
     for split in multi30k_splits(src, tgt):
         ps, pt = local.found.get(f"{split}.{src}"), local.found.get(f"{split}.{tgt}")
-        if ps is None and pt is None and split in MULTI30K_OPTIONAL_SPLITS:
+        if ps is None and pt is None:  # (not required: load_translation's `needed` made those a missing file)
             continue
         if ps is None or pt is None:
             have, lack = (ps, f"{split}.{tgt}") if ps is not None else (pt, f"{split}.{src}")
@@ -148,11 +150,13 @@ def _multi30k_local(src: str, tgt: str, local: LocalFiles) -> TranslationCorpus:
     return TranslationCorpus("multi30k", src, tgt, splits, local_fingerprint(MULTI30K.name, local, digests))
 
 
-def _multi30k_hub(src: str, tgt: str, revision: str) -> TranslationCorpus:
+def _multi30k_hub(src: str, tgt: str, revision: str, needed: tuple[str, ...] | None) -> TranslationCorpus:
     if {src, tgt} != {"en", "de"}:
         raise HubUnavailable(f"{MULTI30K.hub_id} has only English and German")
-    ds = hub_load_dataset(MULTI30K.hub_id, None, revision)
     names = {"train": "train", "valid": "validation", "test_2016_flickr": "test"}
+    if lacking := sorted(set(needed or ()) - set(names)):
+        raise HubUnavailable(f"{MULTI30K.hub_id} has only {sorted(names)}, not {lacking}")
+    ds = hub_load_dataset(MULTI30K.hub_id, None, revision)
     splits = {}
     for split, hub_split in names.items():
         if hub_split not in ds:
@@ -163,14 +167,17 @@ def _multi30k_hub(src: str, tgt: str, revision: str) -> TranslationCorpus:
 
 
 def load_translation(
-    name: str = "multi30k", src: str = "de", tgt: str = "en", data_dir: str | os.PathLike[str] | None = None
+    name: str = "multi30k", src: str = "de", tgt: str = "en", data_dir: str | os.PathLike[str] | None = None,
+    needed: tuple[str, ...] | None = None,
 ) -> TranslationCorpus:
     """Load a translation corpus as raw (detokenized, cased) sentence pairs.
 
     Only "multi30k" is supported (Task 1). Local files: `multi30k/raw/{train,val,test_2016_flickr,test_2017_flickr,
     test_2017_mscoco,test_2018_flickr}.{lang}.gz` as published (`test_2018_flickr` optional, the 2017 test sets
     not read for Czech, which has none; uncompressed files are accepted too). Line counts of the two languages
-    must agree (else MalformedDataError naming both files).
+    must agree (else MalformedDataError naming both files). `needed`: the splits the caller reads (train, valid and
+    its test sets); only their files are required, each other split is read where its files are there. Default:
+    every split but the optional ones.
     Hub fallback: `bentrevett/multi30k` (train, valid, test_2016_flickr only). Sentences are stripped of surrounding
     whitespace. For newstest2014 use `load_newstest2014`.
     """
@@ -180,13 +187,15 @@ def load_translation(
             raise DataError("use load_newstest2014(src, tgt, data_dir) for newstest2014 (it is a test set only)")
         raise DataError(f"unknown translation corpus {name!r}; choose 'multi30k'")
     _check_langs(src, tgt, MULTI30K_LANGS, "multi30k")
-    files = _multi30k_files(src, tgt)
+    if needed is not None and (unknown := sorted(set(needed) - set(multi30k_splits(src, tgt)))):
+        raise DataError(f"multi30k {src}-{tgt} has no split {unknown}; its splits: {list(multi30k_splits(src, tgt))}")
+    files = _multi30k_files(src, tgt, needed)
     return load_from_sources(
         MULTI30K,
         files,
         data_dir,
         lambda local: _multi30k_local(src, tgt, local),
-        lambda rev: _multi30k_hub(src, tgt, rev),
+        lambda rev: _multi30k_hub(src, tgt, rev, needed),
     )
 
 

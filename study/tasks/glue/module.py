@@ -21,6 +21,8 @@ from study.tasks.glue.submission import submission_name, write_submission
 
 
 class GlueModule(StudyModule):
+    output_paths = ("classifier.pt", "predictions")
+
     def __init__(self, cfg: ExperimentConfig):
         super().__init__(cfg)
         self.info = glue_task_info(cfg.task.dataset)
