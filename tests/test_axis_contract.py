@@ -165,3 +165,18 @@ def test_t5_bias_refuses_an_odd_bucket_count_where_a_bidirectional_stack_would_n
         with pytest.raises(ConfigError, match="rel_buckets: t5_bias in arch=.* needs an even rel_buckets, got 33"):
             ModelConfig(**small, arch=arch)
     ModelConfig(**small, arch="decoder")
+
+
+def test_a_position_scheme_reading_a_field_modelconfig_lacks_is_named_not_an_attribute_error(monkeypatch):
+    """A typo in `reads` broke every ModelConfig with "'ModelConfig' object has no attribute", naming neither the
+    scheme nor the field."""
+    class Typo(PositionScheme):
+        reads = ("rope_thetaa",)
+
+        @staticmethod
+        def num_parameters(cfg) -> int:
+            return 0
+
+    monkeypatch.setitem(POSITIONS._items, "typo", Typo)
+    with pytest.raises(TypeError, match=r"position 'typo' \(Typo\) reads \['rope_thetaa'\]: not ModelConfig fields"):
+        ModelConfig()

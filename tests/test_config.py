@@ -340,3 +340,20 @@ def test_a_translation_decoder_reads_bos_and_the_sentence_so_positions_and_windo
     with pytest.raises(ConfigError, match=r"model.window: 21 spans every sequence"):
         ExperimentConfig.from_dict(translation(window=21))
     assert ExperimentConfig.from_dict(translation(window=20)).model.window == 20
+
+
+def test_a_preset_given_as_an_override_is_refused_where_the_model_section_would_override_its_design():
+    """`--set model.preset=llama2` on a run's config.yaml (every field stated) changed nothing and said nothing: the
+    stated norm, position and activation won. Refused naming them; stated sizes scale the preset, as meant."""
+    from study.config.experiment import apply_overrides
+
+    tiny = {"model": {"preset": "gpt2", "d_model": 64, "n_heads": 2, "n_layers": 2, "max_seq_len": 64},
+            "task": {"name": "lm", "seq_len": 32}}
+    stated = ExperimentConfig.from_dict(tiny).to_dict()
+    with pytest.raises(ConfigError, match=r"model.preset: 'llama2' .* own activation, bias, norm, position"):
+        apply_overrides(stated, ["model.preset=llama2"])
+    scaled = ExperimentConfig.from_dict(apply_overrides(tiny, ["model.preset=llama2"])).model
+    assert (scaled.norm, scaled.position, scaled.activation, scaled.d_model) == ("rmsnorm", "rope", "swiglu", 64)
+    both = apply_overrides(stated, ["model.preset=llama2", "model.norm=rmsnorm", "model.position=rope",
+                                    "model.activation=swiglu", "model.bias=false", "model.tie_embeddings=false"])
+    assert ExperimentConfig.from_dict(both).model.norm == "rmsnorm"

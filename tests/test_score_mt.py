@@ -44,6 +44,7 @@ def tiny_bart(tmp_path_factory):
 def test_a_local_checkpoint_is_scored_with_sacrebleu_and_its_signature(tiny_bart):
     result = score_newstest2014(str(tiny_bart), "de", "en", str(DATA), beam_size=2, limit=6, max_new_tokens=8)
     assert result["sentences"] == 6 and not result["complete"] and len(result["hypotheses"]) == 6
+    assert result["release"] == "full"  # the 3,003-segment set, not sacreBLEU's filtered wmt14 (same file names)
     references = [ref for _, ref in load_newstest2014("de", "en", str(DATA)).splits["test"][:6]]
     assert [e["reference"] for e in result["examples"]] == references[:5]
     expected = sacrebleu.metrics.BLEU().corpus_score(result["hypotheses"], [references]).score
@@ -97,3 +98,10 @@ def test_a_checkpoint_told_its_direction_by_codes_or_a_prefix_is_refused_not_sco
     assert "a task prefix" in direction_problem(net("t5"), plain, "t5-small")
     assert "language codes" in direction_problem(net("bart"), SimpleNamespace(src_lang="de_DE"), "x")
     assert direction_problem(net("marian"), plain, "Helsinki-NLP/opus-mt-de-en") is None
+
+
+def test_the_two_newstest2014_releases_are_told_apart_by_their_segment_count():
+    from study.tasks.data.translation import newstest2014_release
+
+    assert (newstest2014_release(3003), newstest2014_release(2737)) == ("full", "filtered")
+    assert "neither release (6 segments" in newstest2014_release(6)

@@ -179,6 +179,29 @@ def set_fields(data: dict[str, Any], assignments: dict[str, Any]) -> dict[str, A
         section, _, fname = key.partition(".")
         if section not in SECTIONS or not fname:
             raise ConfigError("ExperimentConfig", [f"{key}: overrides look like model.FIELD, task.FIELD or train.FIELD"])
+        if key == "model.preset":
+            _refuse_shadowed_preset(value, data.get("model") or {}, assignments)
         data.setdefault(section, {})[fname] = value
     return data
+
+
+# the model's size and regularisation: a section that states them next to a preset scales the preset (a 2-layer
+# Llama-2), as it is meant to; its other fields are the design the preset names
+SCALING_FIELDS = frozenset({"vocab_size", "d_model", "n_layers", "n_encoder_layers", "n_heads", "n_kv_heads",
+                            "head_dim", "d_ff", "max_seq_len", "dropout", "attention_dropout"})
+
+
+def _refuse_shadowed_preset(name: Any, model: dict[str, Any], assignments: dict[str, Any]) -> None:
+    """A preset set as an override gives way to every field the model section states (a run's config.yaml states
+    them all): where its design fields (norm, position, activation, ...) differ from the preset's, it would not be
+    the preset that ran, so it is refused. Sizes the section states scale the preset (SCALING_FIELDS)."""
+    if not isinstance(name, str):  # (an unknown preset is named when the section is built)
+        return
+    shadowed = sorted(f for f, v in PRESETS.get(name, {}).items() if f in model and model[f] != v
+                      and f not in SCALING_FIELDS and f"model.{f}" not in assignments)
+    if shadowed:
+        raise ConfigError("ExperimentConfig", [
+            f"model.preset: {name!r} set as an override gives way to the model section's own "
+            f"{', '.join(shadowed)}, which differ from the preset's; set those fields too, or write the preset into "
+            "the config in place of them"])
 

@@ -234,7 +234,10 @@ class ModelConfig(Config):
         if self.position not in POSITIONS:
             return {}
         readers: dict[str, list[str]] = {}
+        fields = {f.name for f in dataclasses.fields(self)}
         for name, scheme in POSITIONS.items():
+            if unknown := [f for f in scheme.reads if f not in fields]:
+                raise TypeError(f"position {name!r} ({scheme.__name__}) reads {unknown}: not ModelConfig fields")
             for field in scheme.reads:
                 readers.setdefault(field, []).append(name)
         return {field: f"only position {' or '.join(map(repr, names))} reads it, not {self.position!r}"

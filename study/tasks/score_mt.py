@@ -19,6 +19,7 @@ import sacrebleu
 import torch
 
 from study.tasks.data import DataError, load_newstest2014
+from study.tasks.data.translation import newstest2014_release
 
 
 class ModelUnavailable(DataError):
@@ -98,7 +99,8 @@ def score_newstest2014(model: str, src: str = "de", tgt: str = "en", data_dir: s
     seconds = time.time() - started
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
     return {
-        "model": model, "dataset": "newstest2014", "src": src, "tgt": tgt, "sentences": len(pairs),
+        "model": model, "dataset": "newstest2014", "release": newstest2014_release(len(corpus.splits["test"])),
+        "src": src, "tgt": tgt, "sentences": len(pairs),
         "complete": limit is None or limit >= len(corpus.splits["test"]),
         "bleu": bleu.corpus_score(hypotheses, [references]).score, "bleu_signature": str(bleu.get_signature()),
         "chrf": chrf.corpus_score(hypotheses, [references]).score, "chrf_signature": str(chrf.get_signature()),

@@ -280,6 +280,13 @@ def _newstest_hub(src: str, tgt: str, revision: str) -> TranslationCorpus:
     return TranslationCorpus("newstest2014", src, tgt, {"test": pairs}, hub_fingerprint(NEWSTEST2014, revision))
 
 
+def newstest2014_release(segments: int) -> str:
+    """Which newstest2014 a corpus of `segments` segments is: both releases use the same file names, and their BLEU
+    differ. The full set (3,003) is what Vaswani et al. and tensor2tensor score; sacreBLEU's `-t wmt14` is the
+    filtered one (2,737), its `wmt14/full` the full one."""
+    return {3003: "full", 2737: "filtered"}.get(segments, f"neither release ({segments} segments, not 3,003 or 2,737)")
+
+
 def load_newstest2014(
     src: str = "de", tgt: str = "en", data_dir: str | os.PathLike[str] | None = None
 ) -> TranslationCorpus:
