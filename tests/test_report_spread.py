@@ -322,3 +322,13 @@ def test_published_context_and_selection_are_validated_naming_the_row(monkeypatc
     monkeypatch.setattr(published_module, "_read", lambda name: broken.astype(str))
     with pytest.raises(ValueError, match="nanogpt-shakespeare-char-val: selection 'Best'"):
         load_published()
+
+
+def test_a_mean_is_written_to_the_precision_its_interval_supports():
+    """1.990 ± 0.063, not 1.99 ± 0.06288: the half-width to two significant digits, the mean and the interval's ends
+    to the same decimal (digits past the uncertainty's say nothing; a dropped trailing zero hid one that does)."""
+    from study.report.markdown import fmt_uncertain
+
+    assert fmt_uncertain(0.06288, 1.99, 1.927, 2.053) == ["1.990", "1.927", "2.053", "0.063"]
+    assert fmt_uncertain(1.744, 2.53, 0.7859) == ["2.5", "0.8", "1.7"]
+    assert fmt_uncertain(240.3, 14417.2) == ["14,417", "240"]

@@ -46,7 +46,7 @@ from study.report.collect import (
     normalise_value,
     ran_off_plan,
 )
-from study.report.markdown import Doc, fmt
+from study.report.markdown import Doc, fmt, fmt_uncertain
 from study.report.measure import (  # noqa: F401  (re-exported: the comparison's public names)
     GLUE_METRICS,
     GLUE_TASKS,
@@ -688,7 +688,8 @@ def _ours_text(r) -> str:
         return f"{fmt(r['our_mean'])} (n=1, no CI)"
     if pd.isna(r["our_ci_lo"]):  # n equal values (stats.mean_ci): no interval, never ± 0
         return f"{fmt(r['our_mean'])}, {no_spread_text(int(r['our_n']))}"
-    return f"{fmt(r['our_mean'])} ± {fmt((r['our_ci_hi'] - r['our_ci_lo']) / 2)} (n={r['our_n']})"
+    mean, half = fmt_uncertain((r["our_ci_hi"] - r["our_ci_lo"]) / 2, r["our_mean"])
+    return f"{mean} ± {half} (n={r['our_n']})"
 
 
 def _p_text(p: float) -> str:

@@ -63,6 +63,13 @@ def fmt(x: Any, kind: str = "num") -> str:
     return f"{x:.4g}"
 
 
+def fmt_uncertain(half_width: float, *values: float) -> list[str]:
+    """`values` (a mean, an interval's ends) to the decimal of the half-width's second significant digit, and the
+    half-width to two: 1.990 ± 0.063, not 1.99 ± 0.06288, whose digits past the uncertainty's say nothing."""
+    decimals = max(0, 1 - math.floor(math.log10(abs(half_width)))) if half_width and math.isfinite(half_width) else 3
+    return [f"{x:,.{decimals}f}" for x in (*values, half_width)]
+
+
 # -- a tiny document model ---------------------------------------------------------------------------------
 @dataclass
 class Doc:
@@ -201,7 +208,8 @@ def _interval_text(row) -> tuple[str, str]:
         return f"{fmt(row['mean'])} (n=1, no CI)", "–"
     if pd.isna(row["ci_lo"]):  # n equal values (stats.mean_ci): no interval, never ± 0 [d, d]
         return f"{fmt(row['mean'])}, {no_spread_text(int(row['n']))}", "–"
-    return f"{fmt(row['mean'])} ± {fmt(row['ci_half'])}", f"[{fmt(row['ci_lo'])}, {fmt(row['ci_hi'])}]"
+    mean, lo, hi, half = fmt_uncertain(row["ci_half"], row["mean"], row["ci_lo"], row["ci_hi"])
+    return f"{mean} ± {half}", f"[{lo}, {hi}]"
 
 
 def _env_lines(results: SweepResults) -> list[str]:
@@ -271,12 +279,12 @@ def _sweep_section(doc: Doc, results: SweepResults) -> None:
     doc.h(2, "Sweep")
     base_values = ", ".join(f"{a}={v}" for a, v in results.baseline_values().items())
     obj = results.plan["objective"]
-    doc.table(["design", "objective (declared)", "seeds", "baseline", "variants"],
+    doc.table(["design", "objective (declared)", "seeds", "baseline", "variants besides it"],
               [[results.design, f"{obj['direction']} {obj['metric']} ({obj.get('scale') or '?'}; task "
                 f"`{obj['task']}`)" + (f"; stages {' → '.join(results.stages)}" if results.stages else ""),
                 ", ".join(map(str, results.seeds)),
                 f"{results.baseline_label}" + (f" ({base_values})" if base_values else ""),
-                str(len(results.variant_order))]], align="lllll")
+                str(sum(label != results.baseline_label for label in results.variant_order))]], align="lllll")
     _wall_time(doc, results)
     if results.axes:
         fields = results.plan.get("axis_fields") or {}
