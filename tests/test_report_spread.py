@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -332,3 +333,13 @@ def test_a_mean_is_written_to_the_precision_its_interval_supports():
     assert fmt_uncertain(0.06288, 1.99, 1.927, 2.053) == ["1.990", "1.927", "2.053", "0.063"]
     assert fmt_uncertain(1.744, 2.53, 0.7859) == ["2.5", "0.8", "1.7"]
     assert fmt_uncertain(240.3, 14417.2) == ["14,417", "240"]
+
+
+def test_a_verdict_label_beside_the_widest_interval_ends_inside_the_axes():
+    """Constrained layout makes room for a label in the figure, not in the data range: the label of the interval
+    reaching furthest right ran across the frame (the default report's norm_position=post)."""
+    paired = pd.read_csv(Path(__file__).resolve().parents[1] / "reports" / "default" / "paired.csv")
+    fig = plot_paired_differences(paired[paired["metric"] == "valid_loss"], "t", "Δ m", "minimize")
+    fig.draw_without_rendering()
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    assert max(t.get_window_extent(renderer).x1 for t in ax.texts) < ax.bbox.x1

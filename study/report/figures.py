@@ -248,7 +248,7 @@ def plot_paired_differences(paired: pd.DataFrame, title: str, xlabel: str, direc
     on)."""
     rows = paired.reset_index(drop=True)
     fig, (ax,) = _new(width=7.2, height=max(2.4, 0.42 * len(rows) + 1.4))
-    series = []
+    series, texts = [], []
     for y, r in rows.iterrows():
         label = str(r["label"])
         if not np.isfinite(r["diff"]):
@@ -258,8 +258,8 @@ def plot_paired_differences(paired: pd.DataFrame, title: str, xlabel: str, direc
         has_ci = np.isfinite(r["ci_lo"]) and np.isfinite(r["ci_hi"])
         xerr = [[r["diff"] - r["ci_lo"]], [r["ci_hi"] - r["diff"]]] if has_ci else None
         ax.errorbar([r["diff"]], [y], xerr=xerr, fmt="o", color=colour, ms=6, capsize=4, elinewidth=1.8)
-        ax.annotate(_paired_text(r), (r["ci_hi"] if has_ci else r["diff"], y),
-                    textcoords="offset points", xytext=(6, 0), va="center", fontsize=7, color=colour)
+        texts.append(ax.annotate(_paired_text(r), (r["ci_hi"] if has_ci else r["diff"], y),
+                                 textcoords="offset points", xytext=(6, 0), va="center", fontsize=7, color=colour))
         series.append(label)
     ax.axvline(0, color=BASELINE_COLOUR, lw=0.9, ls="--")
     ax.set_yticks(range(len(rows)), [str(v) for v in rows["label"]], fontsize=8)
@@ -272,7 +272,24 @@ def plot_paired_differences(paired: pd.DataFrame, title: str, xlabel: str, direc
     ax.set_title(f"{title}\npaired difference against the baseline:\nmean and 95% t interval over seed pairs\n"
                  f"{which}", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
+    _labels_inside(fig, ax, texts)
     return _finish(fig, series)
+
+
+def _labels_inside(fig: Figure, ax, texts: list) -> None:
+    """Widen the x range until every label written right of its point ends inside the axes: constrained layout
+    makes room for it in the figure, not in the data range, so a label beside the rightmost interval ran across the
+    frame. (The label's anchor moves left as the range grows: a few passes settle it.)"""
+    for _ in range(4):
+        if not texts:
+            return
+        fig.draw_without_rendering()
+        renderer = fig.canvas.get_renderer()
+        over = max(t.get_window_extent(renderer).x1 for t in texts) + 8 - ax.bbox.x1
+        if over <= 0:
+            return
+        lo, hi = ax.get_xlim()
+        ax.set_xlim(lo, hi + over * (hi - lo) / max(ax.bbox.width - over, 1.0))
 
 
 # -- 2. training and validation curves -----------------------------------------------------------------
@@ -466,7 +483,7 @@ def plot_extrapolation(done: pd.DataFrame, variants: list[tuple[str, str]], pale
     ax.set_title(f"{title}\nlength extrapolation: mean and 95% t band over seeds", fontsize=10)
     ax.grid(alpha=0.3)
     if series:
-        fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="outside right upper")
+        fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="outside right center")  # clear of the title
     return _finish(fig, series)
 
 
