@@ -92,3 +92,15 @@ def test_a_dry_run_of_bf16_trials_on_a_cpu_that_emulates_bf16_warns_that_its_tim
     assert ("WARNING: train.precision bf16-mixed on this CPU" in text) is not native, text
     assert "--set train.precision=32-true" in text or native
     assert estimate(plan, rate_flops=1e12)["emulated_bf16"] is None  # --peak-flops: the rate of another machine
+
+
+def test_the_float32_advice_of_a_study_in_stages_names_each_stage(monkeypatch):
+    """`--set train.precision=32-true` is refused in a study in stages ("name the stage"): the warning gives the
+    stage-qualified keys the sweep accepts."""
+    import study.model.precision as precision
+    from study.sweep.plan import describe
+
+    monkeypatch.setattr(precision, "native_bf16", lambda accelerator="auto": False)
+    plan = expand(*load_spec(SWEEPS / "nsp_glue.yaml"))
+    text = describe(plan, estimate(plan))
+    assert "--set pretrain.train.precision=32-true --set glue.train.precision=32-true" in text, text

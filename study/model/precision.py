@@ -27,8 +27,9 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 
 def native_bf16(accelerator: str = "auto") -> bool:
     """Whether the device a run trains on multiplies bf16 natively: a CUDA GPU with bf16 (Ampere and later), or a
-    CPU with AVX-512 BF16 or AMX. Elsewhere bf16 matmuls are emulated, about 100x slower than float32 on an AVX2 CPU
-    (0.9 against 129 GFLOP/s for a 1024^3 GEMM, measured on this project's earlier CI machine)."""
+    CPU with AVX-512 BF16 or AMX. Elsewhere bf16 matmuls are emulated, 90 to 200x slower than float32 on an AVX2 CPU
+    (0.9-1.0 against 90-184 GFLOP/s for a 1024^3 GEMM on AVX2 EPYCs: bench/results/throughput-2026-11-22.json,
+    throughput-2026-11-2[57]-avx2-fp32.json)."""
     if trains_on_cuda(accelerator):
         try:  # without including_emulation=False a pre-Ampere GPU (V100, T4) answers True: it can *store* bf16
             return torch.cuda.is_bf16_supported(including_emulation=False)
@@ -47,7 +48,7 @@ def emulated_bf16(precision: str, accelerator: str = "auto") -> str | None:
     if not precision.startswith("bf16") or not trains_on_cpu(accelerator) or native_bf16(accelerator):
         return None
     return (f"train.precision {precision} on this CPU, which has no AVX-512 BF16 or AMX, emulates bf16: its matmuls "
-            "run about 100x slower than float32 (0.9 against 129 GFLOP/s on an AVX2 EPYC)")
+            "run 90 to 200x slower than float32 (0.9-1.0 against 90-184 GFLOP/s on AVX2 EPYCs)")
 
 
 def enable_tf32(accelerator: str = "auto") -> bool:

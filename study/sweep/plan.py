@@ -583,11 +583,12 @@ def describe(plan: Plan, cost: dict[str, Any] | None = None) -> str:
                      f"{cost['workers']} worker(s): about "
                      + (f"{hours * 60:.0f} min" if hours < 2 else f"{hours:.1f} h"))
         lines.append("  FLOPs and time: " + basis_sentence(cost))
-        if cost.get("emulated_bf16"):
+        if cost.get("emulated_bf16"):  # (a study in stages names each stage's precision)
+            float32 = " ".join(f"--set {p}train.precision=32-true" for p in [f"{n}." for n in s.stage_names] or [""])
             lines.append(f"  WARNING: {cost['emulated_bf16']}, and the time above assumes the float32 rate: on this "
                          "machine the trials would take far longer, or train far fewer steps within "
                          "train.max_time_s. Run them where bf16 is native (a Zen 4 or Sapphire Rapids CPU, a GPU: "
-                         "--peak-flops gives its rate), or --set train.precision=32-true")
+                         f"--peak-flops gives its rate), or {float32}")
     if s.cost_note:
         lines.append(f"  documented cost: {s.cost_note}")
     return "\n".join(lines)
