@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT / "bench"))
+
+from study.run.environment import bench_provenance, cpu_flags, cpu_model  # noqa: E402
 
 
 def anchor(args, work: Path, *cli: str) -> dict:
@@ -65,6 +66,11 @@ def main() -> int:
     args.data_dir, args.anchor = args.data_dir.resolve(), args.anchor.resolve()
     if not (args.data_dir / "multi30k").is_dir():
         sys.exit(f"Multi30k not found under {args.data_dir} (--data-dir or STUDY_DATA_DIR)")
+    # our run's record, dated: record_run.py refuses to replace one, and would do so only after the anchor's
+    # half hour; checked here, before anything runs
+    name = f"multi30k-de-en-vs-hf-{datetime.date.today().isoformat()}"
+    if not args.skip_ours and (ROOT / "bench" / "results" / f"run-{name}.json").exists():
+        sys.exit(f"bench/results/run-{name}.json holds an earlier record of today: move it aside, or --skip-ours")
 
     import torch
 
@@ -91,7 +97,7 @@ def main() -> int:
         "what": "Multi30k De->En test_2016_flickr, the Hugging Face anchor and study run, one after the other on this"
                 " machine with the same training budget",
         "date": datetime.date.today().isoformat(),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), **cpu_flags(), **bench_provenance(),
                     "matmul_gflops_1024": {k: round(v, 1) for k, v in rates.items()}},
         "budget_s": args.budget_s,
         "hf": {"precision": precision, "probe": probe, "max_steps": max_steps, "train": hf_train,
@@ -99,8 +105,8 @@ def main() -> int:
                "command": f"hf_multi30k.py train --out run --max_steps {max_steps} --budget_s {args.budget_s}"
                           f"{' --bf16' if bf16 else ''}; decode --out run --beams 5"},
     }
+    args.out.write_text(json.dumps(record, indent=1) + "\n")  # the anchor's half, kept should our run fail
     if not args.skip_ours:
-        name = "multi30k-de-en-vs-hf"
         cmd = [sys.executable, str(ROOT / "bench" / "record_run.py"), args.config, "--data-dir", str(args.data_dir),
                "--set", f"train.max_time_s={args.budget_s}", "--set", f"name={name}",
                "--set", "train.progress_bar=false",

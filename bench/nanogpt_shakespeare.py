@@ -323,6 +323,9 @@ def main():
         ms_per_iter=1000 * sum(timed) / len(timed),
         torch=torch.__version__, threads=torch.get_num_threads(),
     )
+    # the CPU kind the times are of, read after they were taken (importing study is no part of nanoGPT's run)
+    from study.run.environment import cpu_flags, cpu_model
+    record['machine'] = dict(cpu=cpu_model(), cores=os.cpu_count(), **cpu_flags())
     print(json.dumps(record, indent=2))
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

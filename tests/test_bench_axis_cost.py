@@ -78,3 +78,15 @@ def test_a_bf16_table_on_a_cpu_that_emulates_bf16_says_so(monkeypatch, native):
     monkeypatch.setattr(precision, "native_bf16", lambda accelerator="auto": native)
     assert axis_cost.precision_label(False) == "fp32"
     assert axis_cost.precision_label(True) == ("bf16 autocast" if native else "bf16 autocast (emulated)")
+
+
+def test_the_bf16_loss_tables_are_skipped_where_bf16_is_emulated_and_say_so(monkeypatch):
+    """Emulated, each bf16 loss cell runs at about 1 GFLOP/s: `--loss` took hours on an AVX2 CPU (as --attention
+    would, which skips them too)."""
+    import study.model.precision as precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda accelerator="auto": False)
+    monkeypatch.setattr(axis_cost, "LOSS_SHAPES", [(8, 16, 32)])
+    tables = axis_cost.measure_loss(rounds=1, steps=1)
+    assert tables["8 rows, d 16, vocab 32, bf16 autocast (emulated)"] == "skipped: this CPU emulates bf16"
+    assert isinstance(tables["8 rows, d 16, vocab 32, fp32"], dict)
