@@ -174,6 +174,8 @@ def main() -> int:
     record = {"date": datetime.date.today().isoformat(), "split": args.split, "beam": args.beam,
               "rounds": args.rounds, "warmup_batches": args.warmup_batches, "batch_size": 100,
               "precision": args.precision, "run_dir": args.run,
+              # what decides how many tokens each contestant generates: the trained run's decoding settings
+              "decoding": {k: getattr(cfg.task, k) for k in ("length_penalty", "max_len_a", "max_len_b", "seq_len")},
               "trained": trained_model(Path(args.run)),
               "model": cfg.model.__dict__ if hasattr(cfg.model, "__dict__") else str(cfg.model),
               "machine": machine(torch.get_num_threads()), "bench_seconds": time.perf_counter() - started,
