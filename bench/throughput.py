@@ -572,6 +572,14 @@ def memory_of(arch: str, size: str, dtype: str, args) -> dict:
 # --- report ---------------------------------------------------------------------------------------
 
 
+def _ratio_text(ratio: dict) -> str:
+    """The median of the per-round ratios, and their range where there are several: a cell's rounds spread by up to
+    a factor of two on a busy machine, which a bare median hides."""
+    rounds = ratio.get("per_round") or []
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
+    return f"{ratio['median_of_rounds']:.2f}x{spread}"
+
+
 def table(records: list[dict], gemm: dict) -> str:
     impls = [k for k in IMPLS if any(k in r.get("contestants", {}) for r in records)]
     head = ["arch", "size", "dtype", "params"] + [f"{k} tok/s" for k in impls]
@@ -589,7 +597,7 @@ def table(records: list[dict], gemm: dict) -> str:
         params = f"{r['params_ours'] / 1e6:.2f}M" + ("" if r["params_match"] else "(!)")
         row = [r["arch"], r["size"], r["dtype"], params]
         row += [f"{c[k]['tok_s']:,.0f}" for k in impls]
-        row += [f"{tr[k + '/hf']['median_of_rounds']:.2f}x" if k + "/hf" in tr else "-" for k in impls if k != "hf"]
+        row += [_ratio_text(tr[k + "/hf"]) if k + "/hf" in tr else "-" for k in impls if k != "hf"]
         row += [f"{mem.get(k, {}).get('step_peak_mb', float('nan')):,.0f}" for k in impls]
         row += [f"{mr[k + '/hf']:.2f}x" if k + "/hf" in mr else "-" for k in impls if k != "hf"]
         row += [f"{c[k]['gflops']:.1f} ({100 * c[k]['gflops_frac_of_gemm']:.0f}%)" for k in impls]

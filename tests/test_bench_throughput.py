@@ -66,3 +66,10 @@ def test_a_run_stopped_midway_keeps_the_cells_it_measured(tmp_path, monkeypatch,
     payload = json.loads(out.read_text())
     assert payload["complete"] is False
     assert [(r["size"], r["dtype"]) for r in payload["records"]] == [("5M", "fp32")]
+
+
+def test_a_ratio_in_the_table_carries_the_range_of_its_rounds():
+    """A cell's per-round ratios spread by up to 2x on a busy machine (1.21 / 1.73 / 2.32): the median alone
+    read as if it were precise."""
+    assert throughput._ratio_text({"median_of_rounds": 1.73, "per_round": [1.21, 1.73, 2.32]}) == "1.73x (1.21-2.32)"
+    assert throughput._ratio_text({"median_of_rounds": 1.1, "per_round": [1.1]}) == "1.10x"
