@@ -4,6 +4,7 @@ whose metric variants differ without saying so."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -44,7 +45,8 @@ def test_published_table_is_well_formed(published):
         assert row["citation"].strip() and row["table"].strip(), row["id"]
         assert row["metric_variant"].strip() and row["variant_key"].strip(), row["id"]
         assert math.isfinite(row["value"]), row["id"]
-        assert row["value_printed"].split()[0].replace("around", "").strip() or row["value_printed"]
+        printed = re.search(r"[-+]?\d[\d,]*\.?\d*(?:e[-+]?\d+)?", row["value_printed"])  # the number as printed
+        assert printed and float(printed.group().replace(",", "")) == pytest.approx(row["value"]), row["id"]
 
 
 def test_published_table_covers_the_issue_citations(published):

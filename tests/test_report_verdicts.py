@@ -74,9 +74,10 @@ def test_the_paired_figure_colours_and_labels_a_variant_holm_withdraws_as_inconc
     make_figures(results, tmp_path / "out", formats=("png",), kinds=("paired",))
     fig = drawn["lm-valid_loss-paired-differences"]
     texts = [t.get_text() for t in fig.axes[0].texts]
-    for label in WORSE_ALONE:
-        text = next(t for t in texts if "n=3" in t and t.startswith(("inconclusive", "worse")))
-        assert text.startswith("inconclusive"), texts
+    row_of = {t.get_text(): t.get_position()[1] for t in fig.axes[0].get_yticklabels()}
+    for label in WORSE_ALONE:  # each variant's own label: the one on its row
+        (text,) = [t.get_text() for t in fig.axes[0].texts if t.xy[1] == row_of[label]]
+        assert text.startswith("inconclusive") and "n=3" in text, (label, text)
     assert not any(t.startswith("worse") for t in texts)
     colours = {to_hex(line.get_color()) for line in fig.axes[0].lines if line.get_marker() == "o"}
     assert colours == {to_hex(VERDICT_COLOURS["inconclusive"])}

@@ -204,18 +204,22 @@ def test_a_suite_parts_own_data_error_names_the_part(tmp_path, monkeypatch):
     import study.run.suite
     from study.tasks.data import DataError
 
-    def too_small(cfg, run_dir, **kwargs):
-        raise DataError("vocab_size=8000 is more than this data yields")
+    called = []
+
+    def too_small(cfg, run_dir, **kwargs):  # the part's own run meets the data error (the pre-flight check passed)
+        called.append(Path(run_dir))
+        raise DataError("vocab_size=1000 is more than this data yields")
 
     monkeypatch.setattr(study.run.suite, "run_single", too_small)
     cfg = ExperimentConfig.from_dict({"name": "g", "model": {"arch": "encoder", "objective": "mlm"},
                                       "task": {"name": "glue", "dataset": "glue", "glue_tasks": ["wnli"],
-                                               "vocab_size": 8000}})
+                                               "vocab_size": 1000}})
     data = Path(__file__).resolve().parents[2] / "shared" / "data"
     if not (data / "glue" / "WNLI").is_dir():
         pytest.skip("real GLUE data not found")
-    with pytest.raises(DataError, match=r"g: part WNLI/seed0: vocab_size=8000 is more than this data yields"):
+    with pytest.raises(DataError, match=r"g: part WNLI/seed0: vocab_size=1000 is more than this data yields"):
         study.run.suite.run_suite(cfg, tmp_path / "g", data_dir=data, cache_dir=tmp_path / "cache")
+    assert called == [tmp_path / "g" / "WNLI" / "seed0"]
 
 
 def test_a_suite_refuses_a_vocabulary_a_later_task_cannot_fill_before_its_first_part_trains(tmp_path, monkeypatch):

@@ -177,13 +177,18 @@ def test_a_forced_suite_keeps_its_old_record_on_bad_input_and_drops_it_once_it_r
 
 
 def test_a_forced_pipeline_rerun_replaces_its_record(data, tmp_path):
-    """--force on a finished pipeline reruns it: its old record is removed as the rerun starts and a new one written."""
+    """--force on a finished pipeline reruns it, every stage: its old record is removed as the rerun starts, each
+    stage trains again (a new model.pt) and a new record is written."""
     cfg = PipelineConfig.from_dict({"name": "again", "stages": {
         "pretrain": pretrain_stage(), "glue": glue_stage(finetune_seeds=[0])}})
-    run_experiment(cfg, tmp_path / "p", data_dir=data, cache_dir=tmp_path / "c")
-    first = (tmp_path / "p" / "metrics.json").stat().st_mtime_ns
+    first = run_experiment(cfg, tmp_path / "p", data_dir=data, cache_dir=tmp_path / "c")
+    weights = {name: Path(stage["run_dir"]) / "model.pt" for name, stage in first["stages"].items()}
+    weights["glue"] = next(Path(first["stages"]["glue"]["run_dir"]).rglob("model.pt"))  # (a suite: in its part)
+    before = {name: p.stat().st_mtime_ns for name, p in weights.items()}
+    written = (tmp_path / "p" / "metrics.json").stat().st_mtime_ns
     record = run_experiment(cfg, tmp_path / "p", data_dir=data, cache_dir=tmp_path / "c", force=True)
-    assert record["status"] == "completed" and (tmp_path / "p" / "metrics.json").stat().st_mtime_ns > first
+    assert record["status"] == "completed" and (tmp_path / "p" / "metrics.json").stat().st_mtime_ns > written
+    assert all(p.stat().st_mtime_ns > before[name] for name, p in weights.items())
 
 
 def test_a_suite_whose_pretrained_model_is_replaced_between_its_parts_writes_no_result(data, pretrained, tmp_path,

@@ -99,9 +99,12 @@ def test_a_run_resumed_after_its_last_checkpoint_keeps_its_throughput(corpus, mo
     monkeypatch.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, KilledInFinalEvaluation))
     with pytest.raises(Killed):
         run(corpus, cfg, "throughput-resumed")
+    ckpt = corpus["root"] / "throughput-resumed" / "checkpoints" / "last.ckpt"
+    tokens, seconds = torch.load(ckpt, weights_only=True)["study"]["throughput_measured"]
     monkeypatch.setattr(LanguageModelling, "implementation", lambda self: (LMDataModule, LMModule))
     m = run(corpus, cfg, "throughput-resumed")
-    assert m["steps"] == 12 and m["cost"]["train_tokens_per_s"] is not None and m["cost"]["train_tokens_per_s"] > 0
+    assert m["steps"] == 12 and tokens > 0
+    assert m["cost"]["train_tokens_per_s"] == pytest.approx(tokens / seconds, rel=1e-6)  # what the checkpoint timed
 
 
 def test_with_accumulation_checkpoints_are_written_every_checkpoint_every_steps(corpus, monkeypatch):

@@ -471,5 +471,9 @@ def test_a_given_up_tuning_attempt_of_an_earlier_tuning_leaves_the_current_tpe_s
             "tune": {**TUNE_DEFAULTS, "field": "train.lr", "low": 1e-4, "high": 1e-2, "trials": 2}}
     queue.sync([TrialSpec(key="p-oldtuning-tune0", point="p", seed=0, label="baseline", kind="tune")])
     claimed = queue.claim({"p-oldtuning-tune0"})
-    storage.set_trial_user_attr(claimed.trial_id, "tune_trial", 5)  # a number the current study does not have
+    storage.set_trial_user_attr(claimed.trial_id, "tune_trial", 5)  # a number the current study holds too
+    current = tuning.tune_study(queue, plan, "p", 0)
+    for _ in range(6):
+        current.ask()
     tuning.end_given_up(queue, plan, [storage.get_trial(claimed.trial_id)])  # no error: the worker goes on
+    assert current.trials[5].state == optuna.trial.TrialState.RUNNING  # not the earlier tuning's trial: left alone
