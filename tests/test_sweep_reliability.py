@@ -470,3 +470,45 @@ def test_a_claim_whose_reply_was_lost_is_queued_again_without_spending_a_retry()
     assert [requeued for _, requeued in queue.reap()] == [True]
     assert [(t.state.name, t.user_attrs["attempt"]) for t in queue.trials()] == [("FAIL", 1), ("WAITING", 1)]
     assert queue.claim({"p-s0"}).attempt == 1
+
+
+def _shipped_default(tmp_path: Path) -> Path:
+    """A copy of the committed default study as a clean clone has it: the results table, no run directories."""
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    shutil.copytree(repo / "results" / "default", tmp_path / "results" / "default",
+                    ignore=shutil.ignore_patterns("study.db*"))
+    return repo
+
+
+def test_a_plan_that_would_drop_recorded_trials_whose_run_directories_are_absent_is_refused(tmp_path):
+    """On a clean clone the results table is the only record of the committed trials: `--set seeds=[0]` (or another
+    spec under the same name) rebuilt the table for the new plan alone, and 22 finished trials left it for good."""
+    from study.sweep import SweepOptions, SweepSpecError
+    from study.sweep.runner import prepare
+
+    repo = _shipped_default(tmp_path)
+    spec = repo / "experiments" / "ablation_default.yaml"
+    opts = SweepOptions(results=tmp_path / "results", dry_run=True, estimate_rate=1e11)
+    with pytest.raises(SweepSpecError, match=r"holds 22 finished trial\(s\) this spec does not plan"):
+        prepare(spec, opts, say=lambda s: None, overrides={"seeds": [0]})
+    prepare(spec, opts, say=lambda s: None)  # the spec that ran them: accepted
+
+
+def test_a_recorded_finished_trial_is_kept_over_an_unfinished_attempt_of_it_here(tmp_path):
+    """A committed completed row, and a run directory here holding only an interrupted attempt (no record): the
+    table said `pending` and lost the recorded result."""
+    import pandas as pd
+
+    from study.sweep.layout import SweepLayout
+    from study.sweep.results import build_table
+
+    _shipped_default(tmp_path)
+    layout = SweepLayout(tmp_path / "results" / "default")
+    before = pd.read_csv(layout.sweep_dir / "results.csv")
+    row = before[before["status"] == "completed"].iloc[0]
+    layout.run_dir(row["point"], int(row["seed"])).mkdir(parents=True)  # an attempt began here, wrote nothing
+    after = build_table(layout.sweep_dir).set_index("trial_key")
+    assert after.loc[row["trial_key"], "status"] == "completed"
+    assert after.loc[row["trial_key"], "metric.valid_loss"] == pytest.approx(row["metric.valid_loss"])

@@ -264,7 +264,7 @@ def build_table(sweep_dir: str | Path):
     layout = SweepLayout(Path(sweep_dir))
     plan = read_json(layout.plan_path)
     tuned = current_tuned(plan, read_tuned(layout))  # (another tuning's choice is not what these seeds ran)
-    previous = {row["trial_key"]: row for row in _read_previous(layout.sweep_dir / "results").to_dict("records")}
+    previous = {row["trial_key"]: row for row in read_previous(layout.sweep_dir / "results").to_dict("records")}
     rows = []
     for p in plan["points"]:
         chosen = tuned.get(p["point"], {})
@@ -279,8 +279,12 @@ def build_table(sweep_dir: str | Path):
                     row.update(status="failed", error=chosen["error"])
             else:
                 row = trial_row(plan, p, s, layout.run_dir(p["point"], s))
-            if not Path(row["run_dir"]).is_dir() and row["trial_key"] in previous:
-                row = _kept(previous[row["trial_key"]], plan, p)  # its run directory is not here: keep the row
+            kept = previous.get(row["trial_key"])
+            # its run directory is not here, or holds an unfinished attempt while the table recorded it finished
+            # (elsewhere): keep the recorded row
+            if kept is not None and (not Path(row["run_dir"]).is_dir()
+                                     or (kept.get("status") in FINISHED and row["status"] not in FINISHED)):
+                row = _kept(kept, plan, p)
             rows.append(row)
     df = pd.DataFrame(rows)
     for column in df.columns:  # a column mixing numbers and text (a task's own marker) is kept as text
@@ -302,7 +306,7 @@ def _kept(row: dict[str, Any], plan: dict[str, Any], point: dict[str, Any]) -> d
     return row | {k: v for k, v in filled.items() if row.get(k) is None or row.get(k) != row.get(k)}
 
 
-def _read_previous(stem: Path):
+def read_previous(stem: Path):
     """The table written before (`<stem>.parquet`, else `<stem>.csv`), or an empty one."""
     import pandas as pd
 
@@ -320,7 +324,7 @@ def curves_table(df, sweep_dir: Path):
     in its record); trials whose run directory is not here keep the rows the folder's curves.parquet holds."""
     import pandas as pd
 
-    previous = _read_previous(sweep_dir / "curves")
+    previous = read_previous(sweep_dir / "curves")
     frames = []
     for row in df.to_dict("records"):
         run_dir = Path(str(row.get("run_dir") or ""))
