@@ -178,3 +178,14 @@ def test_study_run_refuses_a_setting_its_task_never_reads_before_reading_any_dat
     with pytest.raises(ConfigError, match=rf"stages.{first}.train.label_smoothing: task 'pretrain' does not read"):
         run_experiment(PipelineConfig.from_dict(pipeline), tmp_path / "pipe", data_dir=tmp_path / "absent")
     assert not (tmp_path / "run").exists() and not (tmp_path / "pipe" / "stages").exists()
+
+
+def test_a_set_of_a_field_an_axis_sets_at_every_point_is_refused(tmp_path):
+    """`--set model.position=alibi` on the default sweep ran its RoPE baseline and said nothing: the axis's values
+    replace the set at every point. Under a conditional axis the set holds where the axis does not apply."""
+    text = refused(tmp_path, **LM, set={"model.norm": "layernorm"}, axes={"model.norm": ["rmsnorm", "scalenorm"]})
+    assert "set: model.norm: axes.norm sets it at every point (its values rmsnorm, scalenorm)" in text
+    plan = plan_of(tmp_path, **LM, set={"model.norm": "layernorm"}, axes={
+        "attention": {"mha": {"model.n_kv_heads": 4}, "gqa": {"model.n_kv_heads": 2}},
+        "norm": {"field": "model.norm", "values": ["rmsnorm", "scalenorm"], "when": {"attention": ["gqa"]}}})
+    assert not any("every point" in p for p in plan.refused), plan.refused

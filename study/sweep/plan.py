@@ -270,6 +270,23 @@ def _unreached(spec: SweepConfig, axes: list[Axis], combos: list[tuple[str, str,
     return problems
 
 
+def _set_under_axes(spec: SweepConfig, axes: list[Axis]) -> list[str]:
+    """A `set` (or `--set`) of a field an unconditional axis sets at every point never reaches a point: the axis's
+    values replace it (the default sweep with `--set model.position=alibi` ran its RoPE baseline and said nothing).
+    Under a conditional axis (`when:`) the set holds where the axis does not apply, and is kept."""
+    stages = spec.stage_names
+    swept = {route(path, stages): axis for axis in axes if not axis.when
+             for fields in axis.values.values() for path in fields}
+    problems = []
+    for where, paths in _set_paths(spec).items():
+        for path in paths:
+            if (axis := swept.get(route(path, stages))) is not None:
+                problems.append(f"{where}: {path}: axes.{axis.name} sets it at every point (its values "
+                                f"{', '.join(axis.labels)}), so this value never runs; change the axis's values, or "
+                                "drop the set")
+    return problems
+
+
 def _set_paths(spec: SweepConfig) -> dict[str, dict[str, None]]:
     """The fields the spec's `set` (or each stage's `set`) assigns, as axis paths: a value set there must reach the
     trained model as an axis value must (a fine-tuning stage's `model.norm` under init_from would not), or the spec
@@ -336,7 +353,7 @@ def expand(spec: SweepConfig, root: str | Path = ".") -> Plan:
     seen: dict[str, str] = {}
     tune_refused: dict[str, list[str]] = {}  # a tune range the config refuses: said once, naming its points
     combos = _combos(spec, axes)
-    plan.refused += _unreached(spec, axes, combos)
+    plan.refused += _unreached(spec, axes, combos) + _set_under_axes(spec, axes)
     for label, varied, labels in combos:
         # a rule's values compared as labels: `{tie: false}` is the label 'false', never str(False)
         if any(all(labels.get(k) == label_of(v) for k, v in rule.items()) for rule in spec.exclude):
