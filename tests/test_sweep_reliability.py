@@ -512,3 +512,19 @@ def test_a_recorded_finished_trial_is_kept_over_an_unfinished_attempt_of_it_here
     after = build_table(layout.sweep_dir).set_index("trial_key")
     assert after.loc[row["trial_key"], "status"] == "completed"
     assert after.loc[row["trial_key"], "metric.valid_loss"] == pytest.approx(row["metric.valid_loss"])
+
+
+def test_a_results_table_that_cannot_be_read_is_said_so_not_taken_for_a_sweep_that_never_ran(tmp_path):
+    """A merge-conflicted CSV beside a truncated parquet: the report said "33 pending (never ran)" and replaced the
+    good one, and `study results` rebuilt the table as 33 pending rows, the committed results gone."""
+    from study.report.collect import UnreadableTable, load_results
+    from study.sweep.results import build_table
+
+    _shipped_default(tmp_path)
+    folder = tmp_path / "results" / "default"
+    (folder / "results.parquet").write_text("junk")
+    (folder / "results.csv").write_text("sweep,point\n<<<<<<< HEAD\n")
+    with pytest.raises(UnreadableTable, match=r"results.parquet \(ArrowInvalid.*results.csv \(no trial_key column"):
+        load_results(folder)
+    with pytest.raises(ValueError, match=r"cannot be read as the table written before"):
+        build_table(folder)

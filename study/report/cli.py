@@ -13,11 +13,11 @@ DEFAULT_RUNS = "bench/results/run-*.json"
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from study.report import build_report
-    from study.report.collect import UndeclaredMetric
+    from study.report.collect import UndeclaredMetric, UnreadableTable
 
     try:
         output = build_report(args.results, args.out, formats=tuple(f for f in args.formats.split(",") if f))
-    except (FileNotFoundError, UndeclaredMetric) as err:
+    except (FileNotFoundError, UndeclaredMetric, UnreadableTable) as err:
         print(f"study report: {err}", file=sys.stderr)
         return 2
     from study.report.collect import load_results
@@ -49,7 +49,7 @@ def _runs(args: argparse.Namespace) -> list[str]:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from study.report import build_compare
-    from study.report.collect import UndeclaredMetric
+    from study.report.collect import UndeclaredMetric, UnreadableTable
 
     runs = _runs(args)
     missing = [r for r in runs if not Path(r).exists()]
@@ -61,7 +61,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         return 2
     try:
         comparison = build_compare(args.results, args.out, runs=runs)
-    except (FileNotFoundError, UndeclaredMetric) as err:
+    except (FileNotFoundError, UndeclaredMetric, UnreadableTable) as err:
         print(f"study compare: {err}", file=sys.stderr)
         return 2
     effects = comparison.effects

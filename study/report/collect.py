@@ -38,6 +38,10 @@ AT_2X = re.compile(r"^metric\.(?P<split>[a-z]+)_ppl_at_2x$")
 SPLIT_WORDS = {"valid": "validation", "test": "test", "dev": "dev"}
 
 
+class UnreadableTable(ValueError):
+    """A results table is there but cannot be read: reported, never taken for a sweep in which nothing ran."""
+
+
 class UndeclaredMetric(ValueError):
     """A metric (or a whole plan) without a declaration: its direction and scale are unknown, and never guessed."""
 
@@ -597,13 +601,21 @@ def check_direction(direction: Any, what: str, where: Path) -> None:
 
 def _read_table(path: Path, root: Path) -> tuple[pd.DataFrame | None, str]:
     files = [path] if path.is_file() else [root / "results.parquet", root / "results.csv"]
+    unreadable = []
     for f in files:
         if not f.is_file():
             continue
         try:
-            return (pd.read_parquet(f) if f.suffix == ".parquet" else _read_csv(f)), f.name
-        except Exception:  # a parquet being rewritten by a running sweep: fall back to the CSV
+            table = pd.read_parquet(f) if f.suffix == ".parquet" else _read_csv(f)
+        except Exception as err:  # a parquet being rewritten by a running sweep: fall back to the CSV
+            unreadable.append(f"{f} ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})")
             continue
+        if "trial_key" in table.columns:
+            return table, f.name
+        unreadable.append(f"{f} (no trial_key column: not a results table)")
+    if unreadable:  # read as no table, a damaged one would report every trial as never run
+        raise UnreadableTable(f"the results table cannot be read: {'; '.join(unreadable)}; restore it (git "
+                              "checkout), or where the run directories are here move it aside and run `study results`")
     return None, ""
 
 

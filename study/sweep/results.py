@@ -307,15 +307,25 @@ def _kept(row: dict[str, Any], plan: dict[str, Any], point: dict[str, Any]) -> d
 
 
 def read_previous(stem: Path):
-    """The table written before (`<stem>.parquet`, else `<stem>.csv`), or an empty one."""
+    """The table written before (`<stem>.parquet`, else `<stem>.csv`), or an empty one where there is none. One
+    that is there but cannot be read is an error, not an empty table: its rows may be the only record of trials
+    whose run directories are elsewhere, and a table rebuilt without them would lose them."""
     import pandas as pd
 
+    unreadable = []
     for path, read in ((stem.with_suffix(".parquet"), pd.read_parquet), (stem.with_suffix(".csv"), pd.read_csv)):
         if path.is_file():
             try:
-                return read(path)
-            except (OSError, ValueError, ImportError):
+                table = read(path)
+            except (OSError, ValueError, ImportError) as err:
+                unreadable.append(f"{path} ({type(err).__name__})")
                 continue
+            if "trial_key" in table.columns:
+                return table
+            unreadable.append(f"{path} (no trial_key column)")
+    if unreadable:
+        raise ValueError(f"{' and '.join(unreadable)} cannot be read as the table written before; restore it "
+                         "(git checkout) or move it aside to rebuild the table from the run directories alone")
     return pd.DataFrame(columns=["trial_key"])
 
 
