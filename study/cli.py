@@ -223,6 +223,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _rate(text: str) -> float:
+    """argparse type: a positive, finite rate (0 divided a time estimate by zero; -1 or nan printed one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """argparse type: a number of seconds >= 0."""
     try:
@@ -339,7 +350,7 @@ def _add_sweep_command(sub) -> None:
     sweep.add_argument("--cache-dir", help="tokenizer cache (default: $STUDY_CACHE_DIR or .cache/study)")
     sweep.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a spec field (seeds=[0]) or a base config field (train.max_steps=50)")
     sweep.add_argument("--dry-run", action="store_true", help="validate and print the plan; run nothing")
-    sweep.add_argument("--peak-flops", type=float, metavar="FLOP/S",
+    sweep.add_argument("--peak-flops", type=_rate, metavar="FLOP/S",
                        help="for the plan's time estimate: the matmul rate of the machine that will run it "
                             "(e.g. 9.9e14 for an H100 in bf16) instead of this machine's, measured")
     sweep.add_argument("--runner", default="study.run:run_experiment",

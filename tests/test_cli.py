@@ -267,3 +267,26 @@ def test_an_interrupted_forced_run_is_resumed_by_the_command_without_force(tmp_p
     said = _resumes_from(tmp_path / "run", forced=True)
     assert "the same command without --force resumes" in said and "start again from scratch" in said
     assert "the same command resumes" in _resumes_from(tmp_path / "run")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["sweep", "experiments/ablation_default.yaml", "--dry-run", "--peak-flops", "0"], "--peak-flops"),
+    (["sweep", "experiments/ablation_default.yaml", "--dry-run", "--peak-flops", "nan"], "--peak-flops"),
+    (["report", "results/default", "--formats", "jpg"], "--formats"),
+])
+def test_a_rate_or_a_figure_format_that_cannot_be_is_refused_by_the_parser(argv, flag, capsys):
+    """--peak-flops 0 divided the time estimate by zero (a traceback), -1 or nan printed a negative or nan time; an
+    unknown figure format failed after every figure was drawn."""
+    from study.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_a_report_drawn_in_svg_alone_embeds_its_svgs(tmp_path):
+    """`--formats svg` failed at the first figure: the report embedded each figure's PNG."""
+    from study.report.figures import FigureInfo
+
+    svg = tmp_path / "f.svg"
+    assert FigureInfo("f", "t", "metric", "lm", "norm", [], paths=[svg]).png == svg

@@ -528,3 +528,31 @@ def test_a_results_table_that_cannot_be_read_is_said_so_not_taken_for_a_sweep_th
         load_results(folder)
     with pytest.raises(ValueError, match=r"cannot be read as the table written before"):
         build_table(folder)
+
+
+def test_a_failed_attempt_is_summarised_by_its_exception_and_its_message_not_the_logs_last_line():
+    """A missing dataset failed every trial with the error "    tinyshakespeare/input.txt  (or input.txt.gz)": the
+    last line of the log, an indented fragment of the DataError's message, in results.csv and the report."""
+    from study.sweep.queue import error_summary
+
+    log = ("Traceback (most recent call last):\n  File \"run.py\", line 3, in <module>\n"
+           "study.tasks.data.errors.DatasetUnavailable: dataset 'tinyshakespeare' is not available.\n"
+           "  - local: missing file(s) /data/tinyshakespeare/input.txt\n    tinyshakespeare/input.txt  (or .gz)\n")
+    assert error_summary(log) == ("study.tasks.data.errors.DatasetUnavailable: dataset 'tinyshakespeare' is not "
+                                  "available. - local: missing file(s) /data/tinyshakespeare/input.txt "
+                                  "tinyshakespeare/input.txt  (or .gz)")
+    assert error_summary("RuntimeError: out of memory\nTraceback...") == "RuntimeError: out of memory"
+    assert error_summary("exit code 3") == "exit code 3"
+
+
+def test_status_creates_no_queue_where_none_is(tmp_path):
+    """`study status` of a shipped folder (or with a mistyped --storage path) created an empty SQLite database, and
+    its folders, then reported that empty queue as the sweep's."""
+    from study.sweep import status
+
+    _shipped_default(tmp_path)
+    folder = tmp_path / "results" / "default"
+    text = status(folder, f"sqlite:///{tmp_path}/nope/x.db")
+    assert "no queue file at" in text and "finished seed-trial run directories: 0/33" in text
+    assert not (tmp_path / "nope").exists()
+    assert "no queue file at" in status(folder) and not (folder / "study.db").exists()

@@ -11,6 +11,16 @@ from pathlib import Path
 DEFAULT_RUNS = "bench/results/run-*.json"
 
 
+def _formats(text: str) -> str:
+    """argparse type: figure formats matplotlib writes, png first where given (an unknown one failed after the
+    figures were drawn; svg or pdf alone failed at the first figure)."""
+    formats = [f for f in text.split(",") if f]
+    unknown = sorted(set(formats) - {"png", "svg", "pdf"})
+    if unknown or not formats:
+        raise argparse.ArgumentTypeError(f"{unknown or text!r}: formats are png, svg, pdf, comma-separated")
+    return ",".join(formats)
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from study.report import build_report
     from study.report.collect import UndeclaredMetric, UnreadableTable
@@ -84,7 +94,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                                             "sweep that is still running, and says so.")
     rep.add_argument("results", help="the sweep's results directory, e.g. results/<sweep>")
     rep.add_argument("--out", help="output directory (default: reports/<sweep>)")
-    rep.add_argument("--formats", default="png,svg", help="figure formats, comma-separated (default: png,svg)")
+    rep.add_argument("--formats", default="png,svg", type=_formats,
+                     help="figure formats, comma-separated, among png, svg, pdf (default: png,svg)")
     rep.set_defaults(func=_cmd_report)
 
     cmp = subparsers.add_parser("compare", help="our results beside the published ones, with citations",

@@ -118,7 +118,8 @@ class FigureInfo:
 
     @property
     def png(self) -> Path:
-        return next(p for p in self.paths if p.suffix == ".png")
+        """The file the report embeds: the PNG, else the first format drawn (`--formats svg`)."""
+        return next((p for p in self.paths if p.suffix == ".png"), self.paths[0])
 
 
 def _new(ncols: int = 1, width: float = 6.4, height: float = 4.2) -> tuple[Figure, list]:

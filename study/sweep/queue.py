@@ -29,6 +29,7 @@ import functools
 import logging
 import math
 import os
+import re
 import socket
 import time
 import uuid
@@ -471,7 +472,7 @@ class TrialQueue:
         self._fail(claimed.trial_id, retrying=retry and self._retries_left(claimed.attempt))
         if not retry:
             return False
-        reason = error.strip().splitlines()[-1] if error.strip() else "error"
+        reason = error_summary(error) or "error"
         return self._requeue(self.storage.get_trial(claimed.trial_id), reason)
 
     def _fail(self, trial_id: int, retrying: bool) -> bool:
@@ -506,6 +507,23 @@ class TrialQueue:
         with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
             if self._fail(claimed.trial_id, retrying=True):
                 self._requeue(self.storage.get_trial(claimed.trial_id), reason, counts=False)
+
+
+def error_summary(error: str) -> str:
+    """One line saying why an attempt failed: the exception's own line of a trial's log tail, with the lines of its
+    message after it (a DataError names the dataset on its first line, the files it lacks on the next ones); the last
+    line alone was often an indented fragment ("    tinyshakespeare/input.txt  (or input.txt.gz)")."""
+    lines = error.strip().splitlines()
+    heads = [i for i, line in enumerate(lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Unavailable|Interrupt"
+                                                           r"|Conflict|Refused)\b.*:", line)]
+    if not heads:
+        return lines[-1].strip() if lines else ""
+    message = [lines[heads[-1]]]
+    for line in lines[heads[-1] + 1:]:  # its message's further lines are indented
+        if not line[:1].isspace():
+            break
+        message.append(line)
+    return " ".join(line.strip() for line in message if line.strip())[:600]
 
 
 def retry_pending(trials: list[optuna.trial.FrozenTrial]) -> bool:

@@ -25,8 +25,8 @@ from study.interrupts import Terminated, shielded
 from study.io import atomic_write_json, atomic_write_text, exclusive_lock, read_json
 from study.sweep import plan as planning
 from study.sweep.estimate import default_threads, estimate
-from study.sweep.storage import (DEFAULT_RETRY_S, StorageError, default_url, open_storage, redact, retrying_at_most,
-                                  validate_url)
+from study.sweep.storage import (DEFAULT_RETRY_S, StorageError, default_url, file_path, open_storage, redact,
+                                  retrying_at_most, scheme, validate_url)
 from study.sweep.devices import DeviceError, assign, claim, gpus_per_trial, visible_gpus
 from study.sweep.trial import DEFAULT_RUNNER
 from study.sweep.layout import (SweepLayout, all_keys, check_storage, finished_results, read_tuned, record_storage,
@@ -309,6 +309,8 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> str:
              + (f" (+ {len(keys) - len(plan['points']) * len(plan['seeds'])} tuning trials)" if plan.get("tune") else "")
              + f" = {len(keys)} trials"]
     try:
+        if scheme(url) in ("sqlite", "journal") and not file_path(url).is_file():  # (opening it would create it)
+            raise FileNotFoundError(f"no queue file at {file_path(url)}: nothing was queued there")
         check_storage(layout, url)
         queue = open_queue(plan, url, retry_s=0)  # status reports an outage, it does not wait it out
         counts = queue.counts(keys)

@@ -19,7 +19,7 @@ from study.io import atomic_write_json
 from study.record import RunDir, metric_value
 from study.sweep.layout import (SweepLayout, current_tuned, finished_results, read_tuned, trial_specs, tuning_id,
                                 tuning_index, tuning_key)
-from study.sweep.queue import Claimed, TrialQueue, retry_pending
+from study.sweep.queue import Claimed, TrialQueue, error_summary, retry_pending
 
 
 class PruningMonitor:
@@ -316,7 +316,7 @@ def _recovered(layout: SweepLayout, plan: dict[str, Any], key: str, trial) -> di
     if status == "pruned":
         record.update(last_val_loss=attrs.get("last_val_loss"), last_val_step=attrs.get("last_val_step"))
     if status == "failed" and attrs.get("error"):
-        record["error"] = attrs["error"].strip().splitlines()[-1]
+        record["error"] = error_summary(attrs["error"])
     return record
 
 

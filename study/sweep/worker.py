@@ -36,7 +36,7 @@ from study.io import atomic_write_json, exclusive_lock, read_json
 from study.record import RunDir, metric_value
 from study.sweep import tuning
 from study.sweep.layout import SweepLayout, all_keys, check_storage, read_tuned, trial_specs, tuning_id
-from study.sweep.queue import Claimed, TrialQueue, TrialSpec
+from study.sweep.queue import Claimed, TrialQueue, TrialSpec, error_summary
 from study.sweep.storage import DEFAULT_RETRY_S, StorageError, open_storage, retrying, retrying_at_most
 from study.sweep.trial import DEFAULT_RUNNER
 from study.sweep.zygote import Zygote, die_with_parent, kill_group
@@ -433,13 +433,13 @@ def _settle_mine(queue: TrialQueue, layout: SweepLayout, plan: dict[str, Any], a
         error = _log_tail(run.trial_log) or f"exit code {rc}"
         if rc == 0:
             error += "\n(the trial exited without writing a finished metrics.json)"
-    attempt.write(sweep, outcome="failed", error=error.splitlines()[-1] if error else "", **missing)
+    attempt.write(sweep, outcome="failed", error=error_summary(error), **missing)
     requeued = queue.fail(claimed, error, retry=retry)
     if attempt.tuning:
         attempt.tell_failed()
         if not requeued:  # this tuning trial failed for good: the point's tuning may now be settled
             tuning.finish_tuning_trial(queue, layout, plan, claimed, *attempt.tuning, attempt.runs_point,
-                                       "failed", None, tell=False, error=error.splitlines()[-1] if error else "")
+                                       "failed", None, tell=False, error=error_summary(error))
     return "failed"
 
 
