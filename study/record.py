@@ -119,8 +119,9 @@ class RunDir:
         that holds the run directory, before it writes. trial.json's are left alone (sweep workers update it
         under its own lock while the run trains), as is any file written to in the last `older_than_s` seconds."""
         now = time.time()
-        stale = [p for p in (self.path.rglob(".*.tmp") if self.path.is_dir() else ())
-                 if not p.name.startswith(f".{self.trial.name}.") and p.is_file() and now - p.stat().st_mtime > older_than_s]
+        found = self.path.rglob(".*.tmp") if self.path.is_dir() else ()
+        stale = [p for p in found if not p.name.startswith(f".{self.trial.name}.") and p.is_file()
+                 and now - p.stat().st_mtime > older_than_s]
         for p in stale:
             p.unlink(missing_ok=True)
         return stale

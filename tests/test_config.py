@@ -331,8 +331,8 @@ def test_a_translation_decoder_reads_bos_and_the_sentence_so_positions_and_windo
     """Sources are cut to seq_len tokens and the decoder's input is BOS + at most seq_len target tokens: seq_len + 1
     learned positions suffice, and a window of seq_len + 1 would mask nothing in training."""
     def translation(**model) -> dict:
-        return {"model": {"arch": "encoder-decoder", **model}, "task": {"name": "translation", "dataset": "multi30k", "seq_len": 20,
-                                                                  "vocab_size": 1000}}
+        return {"model": {"arch": "encoder-decoder", **model},
+                "task": {"name": "translation", "dataset": "multi30k", "seq_len": 20, "vocab_size": 1000}}
 
     assert ExperimentConfig.from_dict(translation(position="learned", max_seq_len=21)).model.max_seq_len == 21
     with pytest.raises(ConfigError, match=r"task.seq_len: 20 \(\+ BOS\) exceeds model.max_seq_len=20"):

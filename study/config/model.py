@@ -150,8 +150,8 @@ class ModelConfig(Config):
         p.check(0 <= self.pad_token_id < self.vocab_size, "pad_token_id", f"must be in [0, vocab_size={self.vocab_size})")
         # the inputs carry segment ids 0 and 1 (BERT's sentence pairs): one row would be indexed out of range by the
         # first pair, rows past two would be parameters nothing reads
-        p.check(self.type_vocab_size in (0, 2), "type_vocab_size",
-                f"0 (no segment embeddings) or 2 (segment ids 0/1 of BERT's sentence pairs), got {self.type_vocab_size}")
+        p.check(self.type_vocab_size in (0, 2), "type_vocab_size", "0 (no segment embeddings) or 2 (segment ids 0/1 "
+                f"of BERT's sentence pairs), got {self.type_vocab_size}")
 
     def _validate_heads(self, p: Problems) -> None:
         if self.n_heads < 1:
