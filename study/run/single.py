@@ -286,25 +286,26 @@ def run_single(
     started = time.time()
     dm, cfg = _prepare_data(cfg, data_dir, cache_dir)
     finished_run(run, cfg, force, data_decided=())  # a directory holding another config's (unfinished) run
+    module_cls = family_.implementation()[1]
     if force or replaced:
-        discard_result(run, family_.implementation()[1].output_paths)
+        discard_result(run, module_cls.output_paths)
     if (resume_from := readable_checkpoint(run)) is not None:
         refuse_other_data(run, dm.fingerprint)  # before data.json is rewritten with what was read now
     prepare_training_process(cfg.train.accelerator)  # before env.json records it
     _write_inputs(run, cfg, dm, resumes=resume_from is not None)
     try:
-        return _train(run, cfg, dm, resume_from, started, declared)
+        return _train(run, cfg, dm, module_cls, resume_from, started, declared)
     except ValueError as err:  # the inputs were checked above: now a ValueError is the run's failure, not bad input
         raise RuntimeError(f"the run in {run.path} failed: {type(err).__name__}: {err}") from err
 
 
-def _train(run: RunDir, cfg: ExperimentConfig, dm, resume_from: Path | None, started: float,
+def _train(run: RunDir, cfg: ExperimentConfig, dm, module_cls: type, resume_from: Path | None, started: float,
            declared: dict[str, dict] | None) -> dict[str, Any]:
     """Fit, score and record the run whose inputs were written (run_single)."""
     import lightning as L
 
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-    module = family(cfg.task.name).implementation()[1](cfg)
+    module = module_cls(cfg)
     reset_peak_memory(cfg.train.accelerator)  # this run's peak, not an earlier part's or stage's in this process
     trainer = _trainer(run, cfg, _loggers(run, cfg, resume_from))
     _fit(trainer, module, dm, resume_from)
