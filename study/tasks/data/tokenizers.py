@@ -14,9 +14,10 @@ Kinds:
                the usual word + <eos> stream. Decoding joins tokens with spaces.
 
 Ids are contiguous: special tokens first (in the order given), then unk/newline tokens if not among them, then the
-learned vocabulary. The trained tokenizer is saved as `<cache_dir>/<kind>-<vocab>-<hash>.json` where the hash covers
-(kind, vocab_size, special tokens, options, data fingerprint); a later call with the same inputs loads that file and
-does not retrain (nor read `texts`).
+learned vocabulary. A special token spelled out in the training text (pretraining's `[UNK]` for WikiText's `<unk>`)
+encodes as its id, and bpe and wordpiece learn no pieces from its spelling. The trained tokenizer is saved as
+`<cache_dir>/<kind>-<vocab>-<hash>.json` where the hash covers (kind, vocab_size, special tokens, options, data
+fingerprint); a later call with the same inputs loads that file and does not retrain (nor read `texts`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +46,10 @@ log = logging.getLogger(__name__)
 
 TOKENIZER_KINDS = ("bpe", "wordpiece", "char", "word")
 CACHE_FORMAT_VERSION = 1
+# Kinds whose training changed since CACHE_FORMAT_VERSION 1, so their cached files (and keys) are not reused: 2 = bpe
+# and wordpiece learn nothing from a special token's spelling in the text (`_outside_specials`). Per kind, so char
+# and word tokenizers, trained as before, keep their keys (a run's data fingerprint holds the key: resume is refused).
+_KIND_FORMAT_VERSION = {"bpe": 2, "wordpiece": 2}
 _DEFAULT_UNK = {"bpe": None, "wordpiece": "[UNK]", "char": "<unk>", "word": "<unk>"}
 _DEFAULT_MIN_FREQ = {"bpe": 2, "wordpiece": 2, "char": 0, "word": 0}
 
@@ -129,7 +135,7 @@ def tokenizer_cache_key(
 ) -> str:
     """sha256 of (format version, kind, vocab_size, special tokens, options, data fingerprint)."""
     payload = {
-        "format": CACHE_FORMAT_VERSION,
+        "format": _KIND_FORMAT_VERSION.get(kind, CACHE_FORMAT_VERSION),
         "kind": kind,
         "vocab_size": vocab_size,
         "special_tokens": list(special_tokens),
@@ -173,6 +179,22 @@ def _word_level(vocab_in_order: Sequence[str], unk: str) -> Tokenizer:
     return Tokenizer(models.WordLevel(vocab, unk_token=unk))
 
 
+def _outside_specials(texts: Iterable[str], specials: Sequence[str]) -> Iterator[str]:
+    """The pieces of each text between its special tokens' spellings (e.g. pretraining's `[UNK]` for WikiText's
+    `<unk>`), for a subword trainer. Encoding cuts a text at its special tokens before normalising (they are added
+    unnormalised) and gives each its id, but training runs the text through the normaliser and pre-tokenizer
+    whole, so the trainer would learn `[`, `unk`/`UNK` and `]` (vocabulary entries no encoded text uses) from the
+    placeholder. Trained on these pieces, it sees the words encoding sees; the trainers count words, so the cuts
+    between pieces change nothing else. Longest spelling first, as the added vocabulary matches."""
+    spellings = sorted((t for t in specials if t), key=len, reverse=True)  # an empty one would cut everywhere
+    if not spellings:
+        yield from texts
+        return
+    cut = re.compile("|".join(map(re.escape, spellings)))
+    for text in texts:
+        yield from (piece for piece in cut.split(text) if piece)
+
+
 def _train_bpe(texts: Iterable[str], vocab_size: int, specials: list[str], min_freq: int, lowercase: bool) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     if lowercase:
@@ -186,7 +208,7 @@ def _train_bpe(texts: Iterable[str], vocab_size: int, specials: list[str], min_f
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator(_outside_specials(texts, specials), trainer=trainer)
     return tok
 
 
@@ -206,7 +228,7 @@ def _train_wordpiece(
         continuing_subword_prefix="##",
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator(_outside_specials(texts, specials), trainer=trainer)
     return _canonical_wordpiece_ids(tok, specials, unk)
 
 
