@@ -48,7 +48,11 @@ def test_heads_must_divide_by_kv_heads():
 
 def test_rope_needs_even_head_dim():
     problems, _ = problems_of(position="rope", d_model=36, n_heads=4)  # head_dim 9
-    assert any(p.startswith("position:") and "even head dimension" in p for p in problems)
+    # the fields that make the head dimension are named: a sweep of d_model or n_heads is reported under position
+    assert any(p.startswith("position:") and "even head dimension, got 9 (d_model / n_heads = 36 / 4)" in p
+               for p in problems)
+    problems, _ = problems_of(position="rope", d_model=36, n_heads=4, head_dim=7)
+    assert any("got 7 (head_dim=7)" in p for p in problems)
 
 
 @pytest.mark.parametrize("window", [0, -3])

@@ -291,3 +291,14 @@ def test_a_fine_tuning_stage_is_checked_against_the_pretrained_model_not_its_pla
     s["pretrain"]["model"].update(position="alibi")
     s["glue"]["task"]["seq_len"] = 1024  # beyond the placeholder's 512 learned rows
     refuse_unrunnable_stages(PipelineConfig.from_dict({"name": "p", "stages": s}))
+
+
+def test_the_pipelines_env_json_names_each_stages_precision_where_they_differ():
+    """The first stage's precision alone said the whole pipeline trained in it (the results table's env.precision)."""
+    from study.run.pipeline import _precisions
+
+    both = stages()
+    both["pretrain"]["train"]["precision"] = both["glue"]["train"]["precision"] = "32-true"
+    assert _precisions(PipelineConfig.from_dict({"name": "p", "stages": both})) == "32-true"
+    both["glue"]["train"]["precision"] = "bf16-mixed"
+    assert _precisions(PipelineConfig.from_dict({"name": "p", "stages": both})) == "pretrain: 32-true, glue: bf16-mixed"

@@ -145,7 +145,8 @@ class SinusoidalPosition(PositionScheme):
 
     @classmethod
     def validate(cls, cfg, problems) -> None:
-        problems.check(cfg.d_model % 2 == 0, "position", f"sinusoidal needs an even d_model, got {cfg.d_model}")
+        problems.check(cfg.d_model % 2 == 0, "position", f"sinusoidal needs an even d_model (sine and cosine "
+                       f"pairs), got d_model={cfg.d_model}")
 
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)
@@ -206,8 +207,10 @@ class RotaryPosition(PositionScheme):
     @classmethod
     def validate(cls, cfg, problems) -> None:
         if cfg.n_heads >= 1 and (cfg.head_dim is not None or cfg.d_model % cfg.n_heads == 0):
+            given = f"head_dim={cfg.head_dim}" if cfg.head_dim is not None else \
+                f"d_model / n_heads = {cfg.d_model} / {cfg.n_heads}"
             problems.check(cfg.resolved_head_dim % 2 == 0, "position", "rope rotates pairs of dimensions and needs "
-                           f"an even head dimension, got {cfg.resolved_head_dim}")
+                           f"an even head dimension, got {cfg.resolved_head_dim} ({given})")
 
     def __init__(self, cfg, causal: bool):
         super().__init__(cfg, causal)

@@ -298,14 +298,16 @@ class EncoderModel(TransformerBase):
 
 
 class SequenceClassificationHead(nn.Module):
-    """Dropout + linear on a pooled representation; n_labels=1 is regression (STS-B)."""
+    """Dropout + linear on a pooled representation; n_labels=1 is regression (STS-B). A bias only where `cfg.bias`,
+    as in the encoder's other heads."""
 
     def __init__(self, cfg: ModelConfig, n_labels: int):
         super().__init__()
         self.dropout = nn.Dropout(cfg.dropout)
-        self.proj = nn.Linear(cfg.d_model, n_labels)
+        self.proj = nn.Linear(cfg.d_model, n_labels, bias=cfg.bias)
         nn.init.normal_(self.proj.weight, 0.0, cfg.init_std)
-        nn.init.zeros_(self.proj.bias)
+        if self.proj.bias is not None:
+            nn.init.zeros_(self.proj.bias)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.proj(self.dropout(pooled))

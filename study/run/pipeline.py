@@ -80,6 +80,15 @@ def run_dir_lock(directory: str | Path, on_wait: Callable[[], None] | None = Non
         yield
 
 
+def _precisions(cfg: PipelineConfig) -> str:
+    """The precision the stages train in, for the pipeline's env.json: one value where they share it, else each
+    stage's (`pretrain: bf16-mixed, glue: 32-true`; the first stage's alone said the whole pipeline trained in it).
+    Each stage's env.json has its own."""
+    by_stage = {name: str(stage.train.precision) for name, stage in cfg.stages.items()}
+    values = set(by_stage.values())
+    return values.pop() if len(values) == 1 else ", ".join(f"{name}: {p}" for name, p in by_stage.items())
+
+
 def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path | None = None,
                  cache_dir: str | Path | None = None, force: bool = False,
                  stage_root: str | Path | None = None) -> dict[str, Any]:
@@ -108,7 +117,7 @@ def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, data_dir: str | Path 
         discard_result(run)         # discard_result); a finished record here is one replaced_stage found stale
     if writes:
         atomic_write_text(run.config, cfg.to_yaml())
-        run.write_env(snapshot(cfg.first.train.precision, cfg.first.train.accelerator),
+        run.write_env(snapshot(_precisions(cfg), cfg.first.train.accelerator),
                       continues=not (force or done is not None))
     ran: dict[str, tuple[Path, dict[str, Any]]] = {}
     for name, stage in cfg.stages.items():
