@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from study.io import out_dir_problems
+
 
 def _path_problems(data_dir: str | None = None, *out_dirs: tuple[str, str | None]) -> list[str]:
     """What is wrong with the folders a command was given, before it reads or writes anything: a --data-dir that is a
@@ -31,21 +33,7 @@ def _path_problems(data_dir: str | None = None, *out_dirs: tuple[str, str | None
         problems.append(f"--data-dir {data_dir} does not exist; give the folder that holds the datasets, or none to "
                         "read the Hugging Face hub")
     for out_dir in out_dirs:
-        problems += _out_dir_problems(*out_dir)
-    return problems
-
-
-def _out_dir_problems(flag: str, path: str | None) -> list[str]:
-    problems = []
-    if path:
-        path = Path(path)
-        existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-        if existing == path and not path.is_dir():
-            problems.append(f"{flag} {path} is a file; give a folder (it is created if missing)")
-        elif not existing.is_dir():
-            problems.append(f"{flag} {path} lies under {existing}, which is a file")
-        elif not os.access(existing, os.W_OK | os.X_OK):
-            problems.append(f"{flag} {path}: this user cannot write in {existing}")
+        problems += out_dir_problems(*out_dir)
     return problems
 
 
@@ -74,7 +62,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     _say_progress()
     out = Path(args.out) if args.out else Path("runs") / cfg.name
-    if not args.out and (problems := _out_dir_problems("run directory", str(out))):
+    if not args.out and (problems := out_dir_problems("run directory", str(out))):
         print("study run: " + "; ".join(problems) + "; give --out DIR", file=sys.stderr)
         return 2
     try:
@@ -179,14 +167,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from study.sweep import status
+    """0: the queue and the run directories were read; 1: the queue could not be (unreachable, refused), the run
+    directories were; 2: bad input (no such sweep, a storage URL of no known scheme)."""
+    from study.sweep import StorageError, status
 
     try:
-        print(status(_sweep_dir(args.sweep, args.results), args.storage))
-    except (FileNotFoundError, ValueError) as err:
+        report = status(_sweep_dir(args.sweep, args.results), args.storage)
+    except (FileNotFoundError, ValueError, StorageError) as err:
         print(f"study status: {err}", file=sys.stderr)
         return 2
-    return 0
+    print(report.text)
+    return 1 if report.queue_error else 0
 
 
 def _cmd_results(args: argparse.Namespace) -> int:
@@ -246,13 +237,23 @@ def _seconds(text: str) -> float:
 
 
 def _sweep_dir(sweep: str, results: str) -> Path:
-    """A sweep folder given as a path, a sweep name, or the spec YAML it came from."""
+    """A sweep folder given as a path, a sweep name (under --results), or the spec YAML it came from. A folder that
+    is not there is named as given, with the sweeps beside it whose names are close (a mistyped path was looked
+    for as a name under --results: `results/results/defualt`)."""
     path = Path(sweep)
     if path.is_dir():
         return path
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return Path(results) / _spec_name(path)
-    return Path(results) / sweep
+    path = path if len(path.parts) > 1 else Path(results) / sweep
+    if not path.exists():
+        import difflib
+
+        sweeps = [p.parent.name for p in path.parent.glob("*/plan.json")] if path.parent.is_dir() else []
+        close = [str(path.parent / c) for c in difflib.get_close_matches(path.name, sweeps)]
+        raise ValueError(f"no sweep folder {path}; " + (f"did you mean {', '.join(close)}?" if close else
+                                                         "run `study sweep SPEC` first, or give the sweep's folder"))
+    return path
 
 
 def _spec_name(spec: Path) -> str:
@@ -287,7 +288,7 @@ def _cmd_score_mt(args: argparse.Namespace) -> int:
     if out.is_dir():
         problems.append(f"--out {out} is a folder; give the result JSON's file name")
     elif not out.exists():
-        problems += _out_dir_problems("--out", str(out))  # the folders it would be written in
+        problems += out_dir_problems("--out", str(out))  # the folders it would be written in
     if problems:
         print("study score-mt: " + "; ".join(problems), file=sys.stderr)
         return 2

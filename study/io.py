@@ -189,3 +189,20 @@ def dump_yaml(data: Any) -> str:
     """Write `data` so that `load_yaml` (and a YAML 1.1 reader) reads it back equal: a string like "010", "1e5" or
     "no" is quoted."""
     return yaml.dump(data, Dumper=_CoreDumper, sort_keys=False)
+
+
+def out_dir_problems(flag: str, path: str | None) -> list[str]:
+    """What keeps a command from writing the folder `path` it was given as `flag` (--out, --results, ...): it is a
+    file, it lies under a file, or this user cannot write where it would be created. Checked before the command
+    reads or computes anything (a report drawn, a model decoded for minutes, then a traceback)."""
+    problems = []
+    if path:
+        path = Path(path)
+        existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+        if existing == path and not path.is_dir():
+            problems.append(f"{flag} {path} is a file; give a folder (it is created if missing)")
+        elif not existing.is_dir():
+            problems.append(f"{flag} {path} lies under {existing}, which is a file")
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            problems.append(f"{flag} {path}: this user cannot write in {existing}")
+    return problems

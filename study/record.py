@@ -34,7 +34,10 @@ ordinary run directory per part below it.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,3 +259,48 @@ def flatten_record(record: dict[str, Any]) -> dict[str, Any]:
     _flatten("metric", record.get("metrics") or {}, row, numeric=True)
     _flatten("cost", record.get("cost") or {}, row, numeric=False)
     return row
+
+
+# --- sweeps' trial.json: who ran an attempt, and whether that process is still there --------------------------
+def own_attempts(trial: dict[str, Any] | None, sweep: str) -> list[dict[str, Any]]:
+    """This sweep's attempts at a trial (trial.json), in the order they started. trial.json is shared by the sweeps
+    that share the run directory (attempt ids are `<sweep>#<n>`), and an attempt updated when it ends is written
+    last: another sweep's failed attempt says nothing of this sweep's trial."""
+    attempts = [a for a in (trial or {}).get("attempts", []) if str(a.get("id", "")).startswith(f"{sweep}#")]
+    return sorted(attempts, key=lambda a: float(a.get("started") or 0.0))
+
+
+def interrupted(attempt: dict[str, Any]) -> bool:
+    """Whether a trial.json attempt that has not ended never will: its worker, a process on this host, is gone (a
+    `kill -9`, a crash of the machine's session). Elsewhere (another host, no worker recorded) it may still run."""
+    return "ended" not in attempt and worker_gone(str(attempt.get("worker", "")))
+
+
+@functools.lru_cache(maxsize=None)
+def host_id() -> str:
+    """This host as a worker id names it: its hostname, boot and PID namespace. Containers on one machine may share
+    a hostname (`--network host`) but not their PIDs: a pid is only checked (`worker_gone`) where the
+    namespace is this process's own, elsewhere the heartbeat's grace decides."""
+    name = socket.gethostname()
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+        return f"{name}/{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # no /proc (macOS): one namespace per host
+        return name
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def worker_gone(worker: str) -> bool:
+    """Whether `worker` ("host:pid", as a sweep's queue and trial.json record a trial's worker or the enqueue lock's
+    holder) is another process on this host that no longer runs."""
+    host, _, pid = worker.rpartition(":")
+    return host == host_id() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))

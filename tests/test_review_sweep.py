@@ -356,7 +356,8 @@ def test_a_worker_process_that_stops_on_an_error_is_named_with_its_exit_code(tmp
 
 def test_a_stale_heartbeat_from_another_host_names_clock_skew_as_a_cause():
     """A heartbeat's age compares two hosts' clocks: the reason a trial is reaped says so when its worker is elsewhere."""
-    from study.sweep.queue import _host, _stale_reason
+    from study.record import host_id as _host
+    from study.sweep.queue import _stale_reason
 
     elsewhere = _stale_reason(75.2, "gpu-node-7:4242")
     assert elsewhere.startswith("no heartbeat for 75 s") and "gpu-node-7" in elsewhere and "clock" in elsewhere
@@ -369,7 +370,7 @@ def test_a_worker_is_judged_gone_by_its_pid_only_in_this_process_s_pid_namespace
     is free here runs on, and only its heartbeat's age may reap its trials."""
     import socket
 
-    from study.sweep.queue import _gone_from_this_host, _host
+    from study.record import host_id as _host, worker_gone as _gone_from_this_host
 
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -382,7 +383,8 @@ def test_a_trial_killed_with_its_sweep_three_times_runs_again_as_a_first_attempt
     """Each kill -9, reboot or preemption of a running `study sweep` left its trial RUNNING; the next invocation's
     worker reaped it as a failed attempt, so with max_retries 2 the third such kill failed the trial for good, unrun.
     A new invocation queues what nothing runs again as the same attempt."""
-    from study.sweep.queue import TrialSpec, _host
+    from study.record import host_id as _host
+    from study.sweep.queue import TrialSpec
 
     storage = optuna.storages.InMemoryStorage()
     spec = TrialSpec(key="p-s0", point="p", seed=0, label="baseline")
@@ -441,7 +443,8 @@ def test_a_tuning_attempt_the_reaper_gives_up_ends_its_tpe_trial():
 
 
 def test_status_counts_interrupted_trials_of_this_plans_keys_once_and_never_a_negative_running():
-    from study.sweep.queue import TrialSpec, _host
+    from study.record import host_id as _host
+    from study.sweep.queue import TrialSpec
     from study.sweep.runner import _interrupted
 
     storage = optuna.storages.InMemoryStorage()

@@ -552,7 +552,7 @@ def test_status_creates_no_queue_where_none_is(tmp_path):
 
     _shipped_default(tmp_path)
     folder = tmp_path / "results" / "default"
-    text = status(folder, f"sqlite:///{tmp_path}/nope/x.db")
+    text = status(folder, f"sqlite:///{tmp_path}/nope/x.db").text
     assert "no queue file at" in text and "finished seed-trial run directories: 0/33" in text
     assert not (tmp_path / "nope").exists()
-    assert "no queue file at" in status(folder) and not (folder / "study.db").exists()
+    assert "no queue file at" in status(folder).text and not (folder / "study.db").exists()

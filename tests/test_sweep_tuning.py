@@ -24,7 +24,8 @@ from study.sweep import tuning
 from study.sweep import worker
 from study.sweep.layout import SweepLayout, all_keys, trial_specs
 from study.sweep.plan import check
-from study.sweep.queue import TrialQueue, _host
+from study.record import host_id as _host
+from study.sweep.queue import TrialQueue
 from study.sweep.results import build_table, tuning_table
 from study.sweep.runner import prepare
 from study.sweep.storage import open_storage

@@ -12,8 +12,19 @@ from __future__ import annotations
 from pathlib import Path
 
 
+class UnwritableOut(ValueError):
+    """The output folder is a file, lies under one, or cannot be written: said before anything is drawn."""
+
+
 def default_out(results, out: str | Path | None) -> Path:
-    return Path(out) if out else Path("reports") / results.sweep
+    """The output folder: `out`, else reports/<sweep> (reports/runs for recorded runs alone); UnwritableOut where it
+    cannot be written."""
+    from study.io import out_dir_problems
+
+    path = Path(out) if out else Path("reports") / (results.sweep if results is not None else "runs")
+    if problems := out_dir_problems("--out" if out else "the output folder", str(path)):
+        raise UnwritableOut("; ".join(problems))
+    return path
 
 
 def build_report(results_dir: str | Path, out: str | Path | None = None, formats=("png", "svg"), kinds=None):
@@ -35,6 +46,4 @@ def build_compare(results_dir: str | Path | None, out: str | Path | None = None,
     from study.report.compare import run_compare
 
     results = load_results(results_dir) if results_dir else None
-    if out is None:
-        out = default_out(results, None) if results else Path("reports") / "runs"
-    return run_compare(results, out, runs=list(runs))
+    return run_compare(results, default_out(results, out), runs=list(runs))

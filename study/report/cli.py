@@ -22,12 +22,12 @@ def _formats(text: str) -> str:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from study.report import build_report
+    from study.report import UnwritableOut, build_report
     from study.report.collect import UndeclaredMetric, UnreadableTable
 
     try:
         output = build_report(args.results, args.out, formats=tuple(f for f in args.formats.split(",") if f))
-    except (FileNotFoundError, UndeclaredMetric, UnreadableTable) as err:
+    except (FileNotFoundError, UndeclaredMetric, UnreadableTable, UnwritableOut) as err:
         print(f"study report: {err}", file=sys.stderr)
         return 2
     from study.report.collect import load_results
@@ -57,21 +57,38 @@ def _runs(args: argparse.Namespace) -> list[str]:
     return [] if args.results else sorted(glob.glob(DEFAULT_RUNS))
 
 
+def _run_problems(runs: list[str], named: bool) -> list[str]:
+    """What is wrong with the recorded runs to compare, before anything is written: one that is not there, or a
+    file that is not a recorded run (it was skipped without a word, or a traceback). A run directory that holds no
+    result yet is a problem where the user named it, and left out of the default glob's runs."""
+    from study.report.measure import UnreadableRun, load_run
+
+    missing = [r for r in runs if not Path(r).exists()]
+    problems = [f"no such run file or directory: {', '.join(missing)}"] if missing else []
+    for run in (r for r in runs if r not in missing):
+        try:
+            if load_run(run) is None and named:
+                problems.append(f"{run} is neither a recorded run (run-*.json) nor a run directory with a result "
+                                "(metrics.json)")
+        except UnreadableRun as err:
+            problems.append(str(err))
+    return problems
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from study.report import build_compare
+    from study.report import UnwritableOut, build_compare
     from study.report.collect import UndeclaredMetric, UnreadableTable
 
     runs = _runs(args)
-    missing = [r for r in runs if not Path(r).exists()]
-    if missing:
-        print(f"study compare: no such run file or directory: {', '.join(missing)}", file=sys.stderr)
+    if problems := _run_problems(runs, named=bool(args.runs)):
+        print("study compare: " + "; ".join(problems), file=sys.stderr)
         return 2
     if not args.results and not runs:
         print("study compare: give a results directory or --runs", file=sys.stderr)
         return 2
     try:
         comparison = build_compare(args.results, args.out, runs=runs)
-    except (FileNotFoundError, UndeclaredMetric, UnreadableTable) as err:
+    except (FileNotFoundError, UndeclaredMetric, UnreadableTable, UnwritableOut) as err:
         print(f"study compare: {err}", file=sys.stderr)
         return 2
     effects = comparison.effects

@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from study.record import COSTS, DIRECTIONS, FINISHED, STATUSES, RunDir, stage_run_dirs
+from study.io import read_json_or_none
+from study.record import (COSTS, DIRECTIONS, FINISHED, STATUSES, RunDir, interrupted, own_attempts,
+                          stage_run_dirs)
 
 NOT_RUN = ("running", "pending")
 # `<split>_ppl_by_length.<L>` and `<split>_ppl_at_2x`: the LM task's extrapolation metrics, on the corpus's last
@@ -679,4 +681,19 @@ def load_results(path: str | Path) -> SweepResults:
         table[col] = table[col].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
     table["seed"] = pd.to_numeric(table["seed"], errors="coerce").astype("Int64")
     table = _coerce_numeric(table)
-    return SweepResults(root=root, table=table.reset_index(drop=True), plan=plan, spec_text=spec_text, source=source)
+    results = SweepResults(root=root, table=table.reset_index(drop=True), plan=plan, spec_text=spec_text, source=source)
+    _mark_interrupted(results)
+    return results
+
+
+def _mark_interrupted(results: SweepResults) -> None:
+    """Rows the table calls running whose attempt's worker is gone (the table is the sweep's last write, and a
+    `kill -9` ended the sweep before it could write another): pending, saying why, as `study results` rebuilds them.
+    Where the run directory is not here, or its worker ran on another host, the row stays as written."""
+    table = results.table
+    for i in table.index[table["status"] == "running"]:
+        run_dir = results.run_dir(table.loc[i])
+        attempts = own_attempts(read_json_or_none(RunDir(run_dir).trial), results.sweep) if run_dir else []
+        if attempts and interrupted(attempts[-1]):
+            table.loc[i, ["status", "error"]] = ["pending", f"last attempt interrupted: its worker "
+                                                            f"({attempts[-1]['worker']}) is gone"]

@@ -446,7 +446,7 @@ def load_run(path: str | Path) -> Run | None:
         if config.get("stages"):
             config = list(config["stages"].values())[-1] or {}
     elif path.suffix == ".json" and path.is_file():
-        data = json.loads(path.read_text())
+        data = _read_run_json(path)
         if isinstance(data.get("metrics"), dict) and "status" in data["metrics"]:
             record, config, label = data["metrics"], data.get("config") or {}, data.get("label") or path.stem
         elif "status" in data:
@@ -460,6 +460,22 @@ def load_run(path: str | Path) -> Run | None:
     if row["schema"] < 2 and (config.get("task") or {}).get("name") == "glue":
         row = _schema1_glue_row(row)
     return Run(str(label), pd.DataFrame([row]), config, record, path)
+
+
+class UnreadableRun(ValueError):
+    """A recorded run's JSON that is not JSON, or not an object: named, never skipped as if it held no run."""
+
+
+def _read_run_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise UnreadableRun(f"{path} cannot be read as a recorded run: {type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''}") from None
+    if not isinstance(data, dict):
+        raise UnreadableRun(f"{path} holds a JSON {type(data).__name__}, not a recorded run (an object with "
+                            "`metrics`, as bench/record_run.py writes)")
+    return data
 
 
 def run_source(run: Run) -> Source:

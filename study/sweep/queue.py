@@ -25,20 +25,19 @@ the study of each sweep, TPE for tuning mode.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os
 import re
-import socket
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 import optuna
 from optuna.trial import TrialState
+
+from study.record import host_id, worker_gone
 
 log = logging.getLogger(__name__)
 ACTIVE = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
@@ -119,44 +118,14 @@ class Claimed:
     retry_of: int | None = None  # the trial number of the attempt this one retries
 
 
-@functools.lru_cache(maxsize=None)
-def _host() -> str:
-    """This host as a worker id names it: its hostname, boot and PID namespace. Containers on one machine may share
-    a hostname (`--network host`) but not their PIDs: a pid is only checked (`_gone_from_this_host`) where the
-    namespace is this process's own, elsewhere the heartbeat's grace decides."""
-    name = socket.gethostname()
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
-        return f"{name}/{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:  # no /proc (macOS): one namespace per host
-        return name
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _stale_reason(age_s: float, worker: str) -> str:
     """Why a trial is judged lost by its heartbeat's age. The age compares the beating worker's clock with this one's,
     so a worker on another host whose clock runs behind by more than grace_s looks silent while it beats."""
     reason = f"no heartbeat for {age_s:.0f} s"
     host = worker.rpartition(":")[0]
-    if host and host != _host():
+    if host and host != host_id():
         reason += f" (beaten on {host}: if its clock is behind this host's, sync the clocks or raise grace_s)"
     return reason
-
-
-def _gone_from_this_host(worker: str) -> bool:
-    """Whether `worker` ("host:pid", as queue.worker records it) is another process on this host that no longer runs:
-    what a trial's worker or the enqueue lock's holder is known by."""
-    host, _, pid = worker.rpartition(":")
-    return host == _host() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
 
 
 class TrialQueue:
@@ -170,7 +139,7 @@ class TrialQueue:
         self.grace_s = grace_s
         self.max_retries = max_retries
         self.study = optuna.create_study(study_name=sweep, storage=storage, direction=direction, load_if_exists=True)
-        self.worker = f"{_host()}:{os.getpid()}"
+        self.worker = f"{host_id()}:{os.getpid()}"
 
     # -- reading ------------------------------------------------------------------------
     def trials(self, states: tuple[TrialState, ...] | None = None) -> list[optuna.trial.FrozenTrial]:
@@ -247,7 +216,7 @@ class TrialQueue:
         if lock_id is None:
             return
         worker = (holder or {}).get("worker", "")
-        dead_here = _gone_from_this_host(worker)
+        dead_here = worker_gone(worker)
         waited = wait.waited(worker, recovered_at=getattr(self.storage, "recovered_at", 0.0))
         if dead_here or waited > LOCK_STALE_S:
             if self._lock_holder(name) == (lock_id, holder):  # still the one judged (not a new holder's lock)
@@ -345,7 +314,7 @@ class TrialQueue:
             # nobody could beat while the storage was down: after an outage every worker gets the grace period anew
             beat = max(beat, getattr(self.storage, "recovered_at", 0.0))
             worker = str(t.user_attrs.get("worker", ""))
-            dead_here = _gone_from_this_host(worker)
+            dead_here = worker_gone(worker)
             if dead_here or now - beat > self.grace_s:
                 lost.append((t, "its worker process is gone" if dead_here else _stale_reason(now - beat, worker)))
         return lost

@@ -105,6 +105,26 @@ def _suite_parts(cfg: ExperimentConfig | PipelineConfig, stage: str | None, data
         return None, []
 
 
+def data_problems(configs: list[ExperimentConfig | PipelineConfig], data_dir: str | Path | None) -> list[str]:
+    """What keeps the runs of `configs` (every stage of a pipeline) from reading their data, each dataset read once
+    (by its task section: the same task settings read the same data): the DataError a trial would fail with, three
+    times, after its process started."""
+    from study.tasks.data import DataError
+
+    problems, seen = [], set()
+    for cfg in configs:
+        for exp in (cfg.stages.values() if isinstance(cfg, PipelineConfig) else (cfg,)):
+            if repr(exp.task) in seen:
+                continue
+            seen.add(repr(exp.task))
+            try:
+                family(exp.task.name).check_data(exp, data_dir)
+            except DataError as err:
+                if str(err) not in problems:
+                    problems.append(str(err))
+    return problems
+
+
 def reach_problems(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig,
                    assignments: dict[str, dict[str, Any]], stated: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Problems of one point: `assignments` maps each axis (and `tune`) to the fields it sets there; `stated` each

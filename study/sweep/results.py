@@ -25,17 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from study.io import atomic_write, load_yaml, read_json, read_json_or_none
-from study.record import (DIVERGED, FINISHED, PENDING, RUNNING, RunDir, flatten_record, metric_value,
-                          stage_run_dirs)
+from study.record import (DIVERGED, FINISHED, PENDING, RUNNING, RunDir, flatten_record, interrupted, metric_value,
+                          own_attempts, stage_run_dirs)
 from study.sweep.layout import SweepLayout, current_tuned, read_tuned, seed_key
-
-
-def own_attempts(trial: dict[str, Any] | None, sweep: str) -> list[dict[str, Any]]:
-    """This sweep's attempts at a trial, in the order they started. trial.json is shared by the sweeps that share the
-    run directory (attempt ids are `<sweep>#<n>`), and an attempt updated when it ends is written last: another
-    sweep's failed attempt says nothing of this sweep's trial."""
-    attempts = [a for a in (trial or {}).get("attempts", []) if str(a.get("id", "")).startswith(f"{sweep}#")]
-    return sorted(attempts, key=lambda a: float(a.get("started") or 0.0))
 
 
 def _status(metrics: dict[str, Any] | None, attempts: list[dict[str, Any]],
@@ -56,6 +48,9 @@ def _status(metrics: dict[str, Any] | None, attempts: list[dict[str, Any]],
         return metrics["status"], why  # a diverged run says which part of the divergence rule stopped it
     if not attempts:
         return PENDING, ""
+    if interrupted(last):  # (its worker was killed: the table would say running until the next sweep took it)
+        return PENDING, (f"last attempt interrupted: its worker ({last['worker']}) is gone; rerunning `study sweep` "
+                         "resumes it")
     if "ended" not in last:
         return RUNNING, ""
     if last.get("outcome") == "failed":

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from study.interrupts import Terminated, shielded
 from study.io import atomic_write_json, atomic_write_text, exclusive_lock, read_json
 from study.sweep import plan as planning
+from study.sweep import reach
 from study.sweep.estimate import default_threads, estimate
 from study.sweep.storage import (DEFAULT_RETRY_S, StorageError, default_url, file_path, open_storage, redact,
                                   retrying_at_most, scheme, validate_url)
@@ -53,6 +54,19 @@ class SweepOptions:
     storage_retry_s: float = DEFAULT_RETRY_S  # how long a worker waits out an unreachable storage
 
 
+def _check_data(plan: planning.Plan, opts: SweepOptions, say: Callable[[str], None]) -> None:
+    """Refuse a sweep with trials to run that could not read their data (a --data-dir without the dataset), before
+    any trial starts: each would fail with it three times. A dry run says so (it may plan for another machine); a
+    sweep with nothing left to run reads no data; a --runner of one's own reads what it reads."""
+    if opts.runner != DEFAULT_RUNNER:
+        return
+    if problems := reach.data_problems([p.config for p in plan.points], opts.data_dir):
+        if not opts.dry_run:
+            raise planning.SweepSpecError("the data the trials read cannot be read (each trial would fail with it):\n"
+                                          + "\n".join(problems))
+        say("  not on this machine: " + "\n".join(problems))
+
+
 def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None] = print,
             overrides: dict[str, Any] | None = None) -> tuple[planning.Plan, SweepLayout, str]:
     """Validate the spec and every point, print the plan, write the sweep folder. Runs nothing."""
@@ -69,6 +83,8 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
         if not opts.dry_run:
             raise
         say(f"  not on this machine: {err}")  # a dry run plans a sweep for the machine that will run it
+    if opts.dry_run:
+        _check_data(plan, opts, say)  # (a sweep with trials to run checks it before they start: run_sweep)
     layout = SweepLayout(Path(opts.results) / spec.name)
     url = opts.storage or default_url(layout.sweep_dir)
     validate_url(url)
@@ -150,6 +166,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     if queue.counts(to_finish)["done"] == len(to_finish):
         say(f"sweep {plan.spec.name!r} is complete: nothing to run")
     else:
+        _check_data(plan, opts, say)
         say(f"running with {workers} worker(s) x {threads} thread(s)")
         _run_workers(queue, layout, url, plan_data, opts, workers, threads, started)
     final = queue.counts(keys)
@@ -295,37 +312,58 @@ def _interrupted(queue, keys: list[str]) -> tuple[list, int]:
     return lost, len(stalled)
 
 
-def status(sweep_dir: str | Path, storage: str | None = None) -> str:
-    """Progress of a sweep from its queue and its run directories."""
+@dataclass(frozen=True)
+class SweepStatus:
+    """What `study status` prints, and why the queue could not be read where it could not (an unreachable or
+    refused storage: the run directories are still reported, and the command exits 1)."""
+
+    text: str
+    queue_error: str | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def status(sweep_dir: str | Path, storage: str | None = None) -> SweepStatus:
+    """Progress of a sweep from its queue and its run directories. A storage URL of no known scheme is a
+    StorageError (bad input, before anything is read); a queue file that is not there is reported, not created."""
     layout = SweepLayout(Path(sweep_dir))
     if not layout.plan_path.is_file():
         raise FileNotFoundError(f"{layout.sweep_dir} holds no sweep (no plan.json); run `study sweep SPEC` first")
     plan = read_json(layout.plan_path)
-    tuned = read_tuned(layout)
-    specs = [s for s in trial_specs(plan, tuned) if s.kind == "seed"]
+    specs = [s for s in trial_specs(plan, read_tuned(layout)) if s.kind == "seed"]
     keys = all_keys(plan)
     url = storage or _recorded_file_storage(layout) or default_url(layout.sweep_dir)
+    validate_url(url)
     lines = [f"sweep {plan['sweep']!r}: {len(plan['points'])} points x {len(plan['seeds'])} seeds"
              + (f" (+ {len(keys) - len(plan['points']) * len(plan['seeds'])} tuning trials)" if plan.get("tune") else "")
              + f" = {len(keys)} trials"]
-    try:
-        if scheme(url) in ("sqlite", "journal") and not file_path(url).is_file():  # (opening it would create it)
-            raise FileNotFoundError(f"no queue file at {file_path(url)}: nothing was queued there")
-        check_storage(layout, url)
-        queue = open_queue(plan, url, retry_s=0)  # status reports an outage, it does not wait it out
-        counts = queue.counts(keys)
-        lost, stalled = _interrupted(queue, keys)
-        if lost:
-            counts = {**counts, "running": counts["running"] - stalled, "interrupted": stalled}
-        lines.append(f"queue ({redact(url)}): " + ", ".join(f"{v} {k}" for k, v in counts.items()))
-        lines += [f"  interrupted: {t.user_attrs.get('label')} seed {t.user_attrs.get('seed')} ({why}); rerunning "
-                  "`study sweep` resumes it" for t, why in lost]
-    except Exception as err:  # status still reports the files when the queue is unreachable
-        lines.append(f"queue ({redact(url)}) unavailable: {redact(str(err)).splitlines()[0]}")
+    error = None
+    if scheme(url) in ("sqlite", "journal") and not file_path(url).is_file():  # (opening it would create it)
+        lines.append(f"queue ({redact(url)}) unavailable: no queue file at {file_path(url)}: nothing was queued there")
+    else:
+        try:
+            lines += _queue_lines(plan, layout, url, keys)
+        except Exception as err:  # status still reports the files when the queue is unreachable
+            error = redact(str(err)).splitlines()[0] if str(err) else type(err).__name__
+            lines.append(f"queue ({redact(url)}) unavailable: {error}")
     on_disk = sum(layout.run(s.runs_point or s.point, s.seed).finished() is not None for s in specs)
     lines.append(f"finished seed-trial run directories: {on_disk}/{len(plan['points']) * len(plan['seeds'])}")
     from study.sweep.results import build_table, summary
 
     lines += ["", summary(build_table(layout.sweep_dir), plan["objective"]["metric"])]  # the metric so far, per point
-    return "\n".join(lines)
+    return SweepStatus("\n".join(lines), error)
+
+
+def _queue_lines(plan: dict[str, Any], layout: SweepLayout, url: str, keys: list[str]) -> list[str]:
+    """The queue's counts, and each trial a stopped worker left running."""
+    check_storage(layout, url)
+    queue = open_queue(plan, url, retry_s=0)  # status reports an outage, it does not wait it out
+    counts = queue.counts(keys)
+    lost, stalled = _interrupted(queue, keys)
+    if lost:
+        counts = {**counts, "running": counts["running"] - stalled, "interrupted": stalled}
+    return [f"queue ({redact(url)}): " + ", ".join(f"{v} {k}" for k, v in counts.items())] + [
+        f"  interrupted: {t.user_attrs.get('label')} seed {t.user_attrs.get('seed')} ({why}); rerunning "
+        "`study sweep` resumes it" for t, why in lost]
 

@@ -227,6 +227,12 @@ class TaskFamily(abc.ABC):
         task.init_from names, when the caller has it; else the family reads it from disk if it needs it)."""
         return cfg
 
+    def check_data(self, cfg: "ExperimentConfig", data_dir: str | Path | None) -> None:
+        """Read the data `cfg`'s run reads, as it reads it: a DataError (DatasetUnavailable: the files expected and
+        where) where the run would stop for it. `study sweep` calls it once per dataset before it queues anything,
+        so that a --data-dir without the dataset is one error, not every trial failing three times. Every family
+        that reads data overrides it (tests/test_review_left.py checks the registered ones)."""
+
     def sub_runs(self, cfg: "ExperimentConfig", data_dir: str | Path | None) -> list[SubRun] | None:
         """None for a single run; else the runs that make up the experiment, each in its own run directory."""
         return None

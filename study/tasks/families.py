@@ -59,6 +59,11 @@ class LanguageModelling(TaskFamily):
     default_objective = "valid_loss"
     reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "eval_lengths", "eval_tokens"})
 
+    def check_data(self, cfg: ExperimentConfig, data_dir) -> None:
+        from study.tasks.data import load_lm_corpus
+
+        load_lm_corpus(cfg.task.dataset, data_dir)
+
     def implementation(self):
         from study.tasks.lm import LMDataModule, LMModule
 
@@ -144,6 +149,13 @@ class Translation(TaskFamily):
                                    "joint_vocab", "beam_size", "length_penalty", "max_len_a", "max_len_b",
                                    "test_sets"})
 
+    def check_data(self, cfg: ExperimentConfig, data_dir) -> None:
+        from study.tasks.data import load_translation
+
+        task = cfg.task
+        load_translation(task.dataset, task.src_lang, task.tgt_lang, data_dir,
+                         needed=("train", "valid", *task.test_sets))
+
     def implementation(self):
         from study.tasks.translation import TranslationDataModule, TranslationModule
 
@@ -191,6 +203,11 @@ class Pretraining(TaskFamily):
     reads_task_fields = frozenset({"seq_len", "tokenizer", "vocab_size", "lowercase", "mlm_probability",
                                    "nsp_weight"})
     unread_train_fields = frozenset({"label_smoothing"})
+
+    def check_data(self, cfg: ExperimentConfig, data_dir) -> None:
+        from study.tasks.data import load_lm_corpus
+
+        load_lm_corpus(cfg.task.dataset, data_dir)
 
     def implementation(self):
         from study.tasks.pretrain import PretrainDataModule, PretrainModule

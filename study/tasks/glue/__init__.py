@@ -98,6 +98,9 @@ class Glue(TaskFamily):
                                "(the longer text of a pair from its end): scored or trained on part of their text"),
     )
 
+    def check_data(self, cfg: ExperimentConfig, data_dir) -> None:
+        self.sub_runs(cfg, data_dir)  # (a suite runs the tasks it can read; DatasetUnavailable where it reads none)
+
     def implementation(self):
         from study.tasks.glue.data import GlueDataModule
         from study.tasks.glue.module import GlueModule
