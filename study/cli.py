@@ -240,12 +240,15 @@ def _sweep_dir(sweep: str, results: str) -> Path:
     """A sweep folder given as a path, a sweep name (under --results), or the spec YAML it came from. A folder that
     is not there is named as given, with the sweeps beside it whose names are close (a mistyped path was looked
     for as a name under --results: `results/results/defualt`)."""
-    path = Path(sweep)
+    path = Path(sweep).expanduser()
     if path.is_dir():
         return path
-    if path.suffix in (".yaml", ".yml") and path.is_file():
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ValueError(f"no spec file {path}; give the sweep's spec YAML, its results folder, or its name")
         return Path(results) / _spec_name(path)
-    path = path if len(path.parts) > 1 else Path(results) / sweep
+    if os.sep not in sweep and not sweep.startswith((".", "~")):  # a name (a path holds a / or starts with . or ~)
+        path = Path(results) / sweep
     if not path.exists():
         import difflib
 

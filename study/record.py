@@ -270,10 +270,13 @@ def own_attempts(trial: dict[str, Any] | None, sweep: str) -> list[dict[str, Any
     return sorted(attempts, key=lambda a: float(a.get("started") or 0.0))
 
 
-def interrupted(attempt: dict[str, Any]) -> bool:
-    """Whether a trial.json attempt that has not ended never will: its worker, a process on this host, is gone (a
-    `kill -9`, a crash of the machine's session). Elsewhere (another host, no worker recorded) it may still run."""
-    return "ended" not in attempt and worker_gone(str(attempt.get("worker", "")))
+def interrupted(attempt: dict[str, Any]) -> str | None:
+    """Why a trial.json attempt that has not ended never will, or None: its worker, a process on this host, is gone
+    (a `kill -9`, a crash of the machine's session). Elsewhere (another host, no worker recorded) it may still run.
+    Results tables and reports give the trial as pending with this."""
+    if "ended" in attempt or not worker_gone(worker := str(attempt.get("worker", ""))):
+        return None
+    return f"last attempt interrupted: its worker ({worker}) is gone; rerunning `study sweep` resumes it"
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,10 +1,11 @@
 """The reviews' findings left from earlier rounds: each command's bad input is one clear error and a non-zero exit,
 never a traceback, a wrong path or a wrong status; a killed sweep's trials are not reported as running; a sweep whose
-data cannot be read is refused before anything is queued; a model without biases has none in its classifier."""
+data cannot be read is refused before any trial starts; a model without biases has none in its classifier."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,10 +56,26 @@ def test_compare_names_each_run_it_was_given_that_is_not_a_recorded_run(here, ca
     (here / "unfinished").mkdir()
     assert main(["compare", "results/s", "--runs", "bad.json", "list.json", "unfinished", "--out", "c"]) == 2
     err = capsys.readouterr().err
-    assert "bad.json cannot be read as a recorded run: JSONDecodeError" in err
+    assert "study compare: bad.json cannot be read as a recorded run: JSONDecodeError" in err
     assert "list.json holds a JSON list, not a recorded run" in err
-    assert "unfinished is neither a recorded run (run-*.json) nor a run directory with a result" in err
+    assert "unfinished is neither a recorded run (run-*.json) nor a run directory with a readable result" in err
     assert "Traceback" not in err and not (here / "c").exists()
+
+
+def test_runs_a_pattern_or_the_default_finds_are_left_out_when_they_hold_none_but_named_when_damaged(here, capsys):
+    (here / "bench" / "results").mkdir(parents=True)
+    (here / "bench" / "results" / "run-other.json").write_text('{"something": "else"}')
+    (here / "newer").mkdir()
+    (here / "newer" / "metrics.json").write_text(json.dumps({"schema": 99, "status": "completed", "metrics": {}}))
+    assert main(["compare", "--runs", "bench/results/*.json", "--out", "c"]) == 0  # no run there: none compared
+    capsys.readouterr()
+    assert main(["compare", "--runs", "newer", "--out", "c"]) == 2  # a record this version cannot read: named
+    assert capsys.readouterr().err.startswith("study compare: newer: ")
+    (here / "bench" / "results" / "run-cut.json").write_text('{"metrics": ')
+    assert main(["compare", "--out", "c"]) == 2
+    err = capsys.readouterr().err
+    assert "run-cut.json cannot be read as a recorded run" in err and "give --no-runs" in err
+    assert "run-other.json" not in err
 
 
 # --- status and results: which folder, and what the exit code says -------------------------------------------------
@@ -72,6 +89,8 @@ def test_a_mistyped_sweep_folder_is_named_as_given_with_the_sweeps_close_to_it(h
     assert "no sweep folder results/defualt; did you mean results/default?" in capsys.readouterr().err
     assert main([command, "elsewhere/s"]) == 2
     assert "no sweep folder elsewhere/s; run `study sweep SPEC` first" in capsys.readouterr().err
+    assert main([command, "specs/nsp.yaml"]) == 2  # a spec that is not there (was: no sweep folder results/nsp.yaml)
+    assert "no spec file specs/nsp.yaml; give the sweep's spec YAML" in capsys.readouterr().err
 
 
 def test_status_exits_2_on_a_storage_url_it_cannot_read_and_1_when_the_queue_cannot_be_opened(here, capsys):
@@ -112,17 +131,20 @@ def test_the_report_reads_the_running_row_of_a_killed_sweep_as_pending(tmp_path)
     (run_dir / "trial.json").write_text(json.dumps({"attempts": [attempt]}))
     table = load_results(root).table
     now = table[(table["point"] == row["point"]) & (table["seed"] == row["seed"])].iloc[0]
-    assert now["status"] == "pending" and "interrupted" in now["error"] and (table["status"] != "running").all()
+    assert now["status"] == "pending" and (table["status"] != "running").all()
+    assert now["error"] == f"last attempt interrupted: its worker ({attempt['worker']}) is gone; rerunning `study " \
+                           "sweep` resumes it"  # as `study results` says it
     (run_dir / "trial.json").write_text(json.dumps({"attempts": [attempt | {"id": "other#7@1.0"}]}))
     assert (load_results(root).table["status"] == "running").sum() == 1  # another sweep's attempt says nothing
 
 
 # --- score-mt: a local folder that is not there -----------------------------------------------------------------------
-@pytest.mark.parametrize("model", ["./models/opus-mt-de-en", "/nowhere/opus", "runs/a/b"])
+@pytest.mark.parametrize("model", ["./models/opus-mt-de-en", "/nowhere/opus", "runs/a/b", "~/nowhere/opus"])
 def test_score_mt_names_a_local_folder_that_is_not_there_not_a_bad_hub_id(here, model):
     from study.tasks.score_mt import ModelUnavailable, load_hf_translator
 
-    with pytest.raises(ModelUnavailable, match=f"no local folder {model}: give the folder"):
+    named = str(Path(model).expanduser()) if model.startswith("~") else model
+    with pytest.raises(ModelUnavailable, match=re.escape(f"no local folder {named}: give the folder")):
         load_hf_translator(model)
 
 
@@ -134,12 +156,13 @@ def test_a_sweep_whose_data_dir_lacks_the_dataset_is_refused_before_any_trial_st
     (here / "data").mkdir()
     opts = SweepOptions(results=str(here / "results"), data_dir=str(here / "data"))
     spec = REPO / "experiments" / "ablation_default.yaml"
-    with pytest.raises(SweepSpecError, match="(?s)cannot be read.*'tinyshakespeare' is not available.*input.txt"):
+    with pytest.raises(SweepSpecError, match="(?s)cannot be read.*none was started.*'tinyshakespeare' is not "
+                                             "available.*input.txt"):
         run_sweep(spec, opts, say=lambda _: None, overrides={"seeds": [0]})
     assert not (here / "results" / "default" / "runs").exists()
-    said = []  # a dry run plans for the machine that will run it: it says so, and goes on
-    run_sweep(spec, SweepOptions(**{**opts.__dict__, "dry_run": True}), say=said.append, overrides={"seeds": [0]})
-    assert any(s.startswith("  not on this machine: dataset 'tinyshakespeare' is not available") for s in said)
+    # a dry run plans for the machine that will run it, and reads no data (online it would download it)
+    assert run_sweep(spec, SweepOptions(**{**opts.__dict__, "dry_run": True}), say=lambda _: None,
+                     overrides={"seeds": [0]}) == {}
 
 
 @pytest.mark.parametrize("config", ["shakespeare_char_llama2", "multi30k_de_en", "wikitext2_bert_pretrain_nsp",
@@ -169,3 +192,17 @@ def test_the_classification_head_has_a_bias_only_where_the_model_has_biases(bias
 
     head = SequenceClassificationHead(ModelConfig(arch="encoder", objective="mlm", bias=bias), 3)
     assert (head.proj.bias is not None) == bias
+
+
+def test_a_checkpoint_resumes_where_only_the_tokenizers_cache_key_changed_not_its_vocabulary():
+    """bpe and wordpiece cache format 2 gave every such tokenizer a new key: an interrupted run whose text holds no
+    special token (Multi30k, GLUE) was refused its checkpoint for a vocabulary that had not changed."""
+    from study.run.conflict import data_differences
+
+    there = {"source": "local", "files": {"input.txt": "aa"}, "tokenizer": "key-format-1", "vocab_sha256": "v1"}
+    assert data_differences(there, {**there, "tokenizer": "key-format-2"}) == []
+    assert data_differences(there, {**there, "tokenizer": "key-format-2", "vocab_sha256": "v2"}) == [
+        "tokenizer: 'key-format-1' there, 'key-format-2' here", "vocab_sha256: 'v1' there, 'v2' here"]
+    older = {k: v for k, v in there.items() if k != "vocab_sha256"}  # a data.json from before vocab_sha256
+    assert data_differences(older, {**there, "tokenizer": "key-format-2"}) == [
+        "tokenizer: 'key-format-1' there, 'key-format-2' here"]

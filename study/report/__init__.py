@@ -23,7 +23,7 @@ def default_out(results, out: str | Path | None) -> Path:
 
     path = Path(out) if out else Path("reports") / (results.sweep if results is not None else "runs")
     if problems := out_dir_problems("--out" if out else "the output folder", str(path)):
-        raise UnwritableOut("; ".join(problems))
+        raise UnwritableOut("; ".join(problems) + ("" if out else "; give --out DIR"))
     return path
 
 

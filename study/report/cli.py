@@ -43,35 +43,45 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs(args: argparse.Namespace) -> list[str]:
-    """The recorded runs to compare: those `--runs` names; with no results directory, every recorded run. A sweep's
-    comparison is the sweep's alone unless runs are named, so `make compare` regenerates its committed compare.md
-    whatever else bench/results holds."""
+def _runs(args: argparse.Namespace) -> tuple[list[str], set[str]]:
+    """The recorded runs to compare, and those of them the user named one by one: `--runs` (a pattern's matches
+    are read as the default's are); with no results directory, every recorded run. A sweep's comparison is the
+    sweep's alone unless runs are named, so `make compare` regenerates its committed compare.md whatever else
+    bench/results holds."""
     if args.no_runs:
-        return []
+        return [], set()
     if args.runs:
-        paths = []
+        paths, named = [], set()
         for pattern in args.runs:
-            paths += sorted(glob.glob(pattern)) or [pattern]
-        return paths
-    return [] if args.results else sorted(glob.glob(DEFAULT_RUNS))
+            matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else []
+            paths += matches or [pattern]
+            named |= set() if matches else {pattern}
+        return paths, named
+    return ([] if args.results else sorted(glob.glob(DEFAULT_RUNS))), set()
 
 
-def _run_problems(runs: list[str], named: bool) -> list[str]:
+def _run_problems(runs: list[str], named: set[str]) -> list[str]:
     """What is wrong with the recorded runs to compare, before anything is written: one that is not there, or a
-    file that is not a recorded run (it was skipped without a word, or a traceback). A run directory that holds no
-    result yet is a problem where the user named it, and left out of the default glob's runs."""
+    file that cannot be read as one (it was skipped without a word, or a traceback). A path that holds no run (a
+    run directory with no result yet, a JSON of something else) is a problem where the user named it, and left out
+    where a pattern or the default found it."""
+    import yaml
+
     from study.report.measure import UnreadableRun, load_run
 
     missing = [r for r in runs if not Path(r).exists()]
     problems = [f"no such run file or directory: {', '.join(missing)}"] if missing else []
     for run in (r for r in runs if r not in missing):
         try:
-            if load_run(run) is None and named:
-                problems.append(f"{run} is neither a recorded run (run-*.json) nor a run directory with a result "
-                                "(metrics.json)")
-        except UnreadableRun as err:
+            if load_run(run) is None and run in named:
+                problems.append(f"{run} is neither a recorded run (run-*.json) nor a run directory with a readable "
+                                "result (metrics.json)")
+        except UnreadableRun as err:  # (it names the file)
             problems.append(str(err))
+        except (ValueError, yaml.YAMLError) as err:  # a record of a newer schema, a config.yaml that is no YAML
+            problems.append(f"{run}: {' '.join(str(err).split())}")
+    if problems and not named:
+        problems.append(f"(read by default from {DEFAULT_RUNS}: name the runs with --runs, or give --no-runs)")
     return problems
 
 
@@ -79,8 +89,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from study.report import UnwritableOut, build_compare
     from study.report.collect import UndeclaredMetric, UnreadableTable
 
-    runs = _runs(args)
-    if problems := _run_problems(runs, named=bool(args.runs)):
+    runs, named = _runs(args)
+    if problems := _run_problems(runs, named):
         print("study compare: " + "; ".join(problems), file=sys.stderr)
         return 2
     if not args.results and not runs:

@@ -694,6 +694,5 @@ def _mark_interrupted(results: SweepResults) -> None:
     for i in table.index[table["status"] == "running"]:
         run_dir = results.run_dir(table.loc[i])
         attempts = own_attempts(read_json_or_none(RunDir(run_dir).trial), results.sweep) if run_dir else []
-        if attempts and interrupted(attempts[-1]):
-            table.loc[i, ["status", "error"]] = ["pending", f"last attempt interrupted: its worker "
-                                                            f"({attempts[-1]['worker']}) is gone"]
+        if attempts and (why := interrupted(attempts[-1])):
+            table.loc[i, ["status", "error"]] = ["pending", why]

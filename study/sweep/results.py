@@ -48,9 +48,8 @@ def _status(metrics: dict[str, Any] | None, attempts: list[dict[str, Any]],
         return metrics["status"], why  # a diverged run says which part of the divergence rule stopped it
     if not attempts:
         return PENDING, ""
-    if interrupted(last):  # (its worker was killed: the table would say running until the next sweep took it)
-        return PENDING, (f"last attempt interrupted: its worker ({last['worker']}) is gone; rerunning `study sweep` "
-                         "resumes it")
+    if why := interrupted(last):  # (its worker was killed: the table would say running until the next sweep)
+        return PENDING, why
     if "ended" not in last:
         return RUNNING, ""
     if last.get("outcome") == "failed":

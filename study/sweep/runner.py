@@ -54,17 +54,19 @@ class SweepOptions:
     storage_retry_s: float = DEFAULT_RETRY_S  # how long a worker waits out an unreachable storage
 
 
-def _check_data(plan: planning.Plan, opts: SweepOptions, say: Callable[[str], None]) -> None:
-    """Refuse a sweep with trials to run that could not read their data (a --data-dir without the dataset), before
-    any trial starts: each would fail with it three times. A dry run says so (it may plan for another machine); a
-    sweep with nothing left to run reads no data; a --runner of one's own reads what it reads."""
+def _check_data(plan: planning.Plan, opts: SweepOptions, layout: SweepLayout, keys_left: list[str]) -> None:
+    """Refuse a sweep whose trials left to run could not read their data (a --data-dir without the dataset), before
+    any of them starts: each would fail with it three times. Only the points with a trial left are read (a finished
+    point's data may be gone); a --runner of one's own reads what it reads. A dry run reads no data: it may plan for
+    another machine, and with the hub reachable it would download the datasets."""
     if opts.runner != DEFAULT_RUNNER:
         return
-    if problems := reach.data_problems([p.config for p in plan.points], opts.data_dir):
-        if not opts.dry_run:
-            raise planning.SweepSpecError("the data the trials read cannot be read (each trial would fail with it):\n"
-                                          + "\n".join(problems))
-        say("  not on this machine: " + "\n".join(problems))
+    plan_data, left = read_json(layout.plan_path), set(keys_left)
+    points = {s.point for s in trial_specs(plan_data, read_tuned(layout))
+              if s.key in left and layout.run(s.runs_point or s.point, s.seed).finished() is None}
+    if problems := reach.data_problems([p.config for p in plan.points if p.point in points], opts.data_dir):
+        raise planning.SweepSpecError("the data the trials left to run read cannot be read (each would fail with it; "
+                                      "none was started):\n" + "\n".join(problems))
 
 
 def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None] = print,
@@ -83,8 +85,6 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
         if not opts.dry_run:
             raise
         say(f"  not on this machine: {err}")  # a dry run plans a sweep for the machine that will run it
-    if opts.dry_run:
-        _check_data(plan, opts, say)  # (a sweep with trials to run checks it before they start: run_sweep)
     layout = SweepLayout(Path(opts.results) / spec.name)
     url = opts.storage or default_url(layout.sweep_dir)
     validate_url(url)
@@ -166,7 +166,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     if queue.counts(to_finish)["done"] == len(to_finish):
         say(f"sweep {plan.spec.name!r} is complete: nothing to run")
     else:
-        _check_data(plan, opts, say)
+        _check_data(plan, opts, layout, to_finish)
         say(f"running with {workers} worker(s) x {threads} thread(s)")
         _run_workers(queue, layout, url, plan_data, opts, workers, threads, started)
     final = queue.counts(keys)

@@ -229,7 +229,7 @@ class TaskFamily(abc.ABC):
 
     def check_data(self, cfg: "ExperimentConfig", data_dir: str | Path | None) -> None:
         """Read the data `cfg`'s run reads, as it reads it: a DataError (DatasetUnavailable: the files expected and
-        where) where the run would stop for it. `study sweep` calls it once per dataset before it queues anything,
+        where) where the run would stop for it. `study sweep` calls it once per dataset before any trial starts,
         so that a --data-dir without the dataset is one error, not every trial failing three times. Every family
         that reads data overrides it (tests/test_review_left.py checks the registered ones)."""
 

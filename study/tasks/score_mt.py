@@ -30,7 +30,8 @@ def load_hf_translator(model: str, device: str = "cpu"):
     """(model, tokenizer) of a seq2seq checkpoint: a local folder, else the hub id (offline: a clear error)."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    if not Path(model).exists() and (model.startswith(("/", ".", "~")) or model.count("/") > 1):
+    model = str(Path(model).expanduser()) if model.startswith("~") else model
+    if not Path(model).exists() and (model.startswith(("/", ".")) or model.count("/") > 1):
         # a path (a hub id is NAME or ORG/NAME): a mistyped folder was reported as a bad hub id
         raise ModelUnavailable(f"no local folder {model}: give the folder a seq2seq checkpoint and its tokenizer were "
                                "saved in (save_pretrained), or a hub id (NAME or ORG/NAME)")
