@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from study.io import out_dir_problems
+from study.io import close_sweep_folders, out_dir_problems
 
 
 def _path_problems(data_dir: str | None = None, *out_dirs: tuple[str, str | None]) -> list[str]:
@@ -246,14 +246,15 @@ def _sweep_dir(sweep: str, results: str) -> Path:
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
             raise ValueError(f"no spec file {path}; give the sweep's spec YAML, its results folder, or its name")
-        return Path(results) / _spec_name(path)
+        folder = Path(results) / _spec_name(path)
+        if not folder.is_dir():
+            raise ValueError(f"no sweep folder {folder} (the sweep {path} names): run `study sweep {path}` first, or "
+                             "give --results the folder it ran into")
+        return folder
     if os.sep not in sweep and not sweep.startswith((".", "~")):  # a name (a path holds a / or starts with . or ~)
         path = Path(results) / sweep
     if not path.exists():
-        import difflib
-
-        sweeps = [p.parent.name for p in path.parent.glob("*/plan.json")] if path.parent.is_dir() else []
-        close = [str(path.parent / c) for c in difflib.get_close_matches(path.name, sweeps)]
+        close = close_sweep_folders(path, results)
         raise ValueError(f"no sweep folder {path}; " + (f"did you mean {', '.join(close)}?" if close else
                                                          "run `study sweep SPEC` first, or give the sweep's folder"))
     return path
@@ -270,6 +271,9 @@ def _spec_name(spec: Path) -> str:
         data = load_yaml(spec.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ValueError(f"{spec}: not valid YAML: {' '.join(str(err).split())}") from None
+    if isinstance(data, dict) and "axes" not in data and {"model", "task", "train"} & set(data):
+        raise ValueError(f"{spec} is an experiment config (for `study run`), not a sweep spec; give a sweep's spec "
+                         "(experiments/ablation_default.yaml, experiments/sweeps/), its results folder, or its name")
     name = data.get("name", spec.stem) if isinstance(data, dict) else None
     if not isinstance(name, str) or not name:
         raise ValueError(f"{spec}: not a sweep spec (a mapping whose `name` is the sweep's name); give the spec, "

@@ -206,3 +206,16 @@ def out_dir_problems(flag: str, path: str | None) -> list[str]:
         elif not os.access(existing, os.W_OK | os.X_OK):
             problems.append(f"{flag} {path}: this user cannot write in {existing}")
     return problems
+
+
+def close_sweep_folders(path: str | Path, results: str | Path = "results") -> list[str]:
+    """Sweep folders (those holding a plan.json) whose names are close to `path`'s, beside it or under `results`:
+    what a command given a mistyped or bare sweep name suggests."""
+    import difflib
+
+    path = Path(path)
+    found = []
+    for parent in dict.fromkeys([path.parent, Path(results)]):
+        sweeps = [p.parent.name for p in parent.glob("*/plan.json")] if parent.is_dir() else []
+        found += [str(parent / c) for c in difflib.get_close_matches(path.name, sweeps)]
+    return list(dict.fromkeys(found))

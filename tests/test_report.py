@@ -311,9 +311,15 @@ def test_a_report_removes_stale_figures_and_names_those_it_cannot_draw(tmp_path)
     stale = tmp_path / "out" / "figures" / "lm-curves-renamed-axis.png"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"old")
+    stale.with_suffix(".svg").write_bytes(b"old")
+    (tmp_path / "out" / "report.md").write_text("![curves](figures/lm-curves-renamed-axis.png)\n")  # the earlier report
+    mine = [stale.parent / "mine.png", stale.parent / "notes.txt"]  # a user's own files: never a report's to remove
+    for p in mine:
+        p.write_bytes(b"mine")
     output = build_report(root, tmp_path / "out", formats=("png",))
-    assert not stale.exists()
-    assert sorted(p.name for p in stale.parent.iterdir()) == sorted(p.name for f in output.figures for p in f.paths)
+    assert not stale.exists() and not stale.with_suffix(".svg").exists()
+    assert sorted(p.name for p in stale.parent.iterdir()) == sorted(
+        [p.name for f in output.figures for p in f.paths] + ["mine.png", "notes.txt"])
     md = output.markdown.read_text()
     not_drawn = md.split("Figures not drawn, and why:", 1)[1]
     assert "training and validation curves, position (lm): no logged curves" in not_drawn

@@ -100,7 +100,8 @@ def test_status_exits_2_on_a_storage_url_it_cannot_read_and_1_when_the_queue_can
     (here / "not-a-db.db").write_text("hello")
     assert main(["status", "results/default", "--storage", f"sqlite:///{here}/not-a-db.db"]) == 1
     out = capsys.readouterr().out  # the run directories are still reported
-    assert "unavailable: cannot open storage" in out and "finished seed-trial run directories: 0/33" in out
+    assert "not-a-db.db is not an Optuna SQLite queue (file is not a database)" in out
+    assert "finished seed-trial run directories: 0/33" in out
     assert main(["status", "results/default"]) == 0  # no queue file: nothing was queued here, which is no failure
     assert "no queue file at" in capsys.readouterr().out
 
@@ -206,3 +207,60 @@ def test_a_checkpoint_resumes_where_only_the_tokenizers_cache_key_changed_not_it
     older = {k: v for k, v in there.items() if k != "vocab_sha256"}  # a data.json from before vocab_sha256
     assert data_differences(older, {**there, "tokenizer": "key-format-2"}) == [
         "tokenizer: 'key-format-1' there, 'key-format-2' here"]
+
+
+def test_status_writes_nothing_into_a_storage_it_is_shown_and_keeps_to_the_folders_own(here, capsys):
+    """`study status --storage` appended an Optuna operation to a text file given as a journal, and created Optuna's
+    tables in an unrelated SQLite database; a folder as the storage was 'nothing queued', exit 0."""
+    import sqlite3
+
+    _shipped_default(here)
+    (here / "notes.txt").write_text("hello\n")
+    with sqlite3.connect(here / "other.db") as db:
+        db.execute("CREATE TABLE mine (a)")
+    (here / "a-folder").mkdir()
+    for url, words in ((f"journal:///{here}/notes.txt", "notes.txt is not an Optuna journal"),
+                       (f"sqlite:///{here}/other.db", "other.db is not an Optuna SQLite queue (it has no `studies`"),
+                       (f"sqlite:///{here}/a-folder", "a-folder is a folder, not a queue file")):
+        assert main(["status", "results/default", "--storage", url]) == 1
+        assert words in capsys.readouterr().out
+    assert (here / "notes.txt").read_text() == "hello\n"
+    with sqlite3.connect(here / "other.db") as db:
+        assert [t for (t,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["mine"]
+    from study.sweep.layout import SweepLayout, record_storage
+
+    record_storage(SweepLayout(here / "results" / "default"), f"sqlite:///{here}/queue.db")
+    assert main(["status", "results/default", "--storage", f"sqlite:///{here}/else.db"]) == 2  # as `study sweep`
+    assert "belongs to storage" in capsys.readouterr().err
+
+
+def test_a_spec_and_an_experiment_given_to_the_others_command_say_which_command_they_are_for(here, capsys):
+    spec, experiment = REPO / "experiments" / "ablation_default.yaml", REPO / "experiments" / "wikitext2_llama2.yaml"
+    assert main(["sweep", str(experiment), "--dry-run"]) == 2  # it listed model, task, train as unknown fields
+    assert f"{experiment} is an experiment config: run it with `study run {experiment}`" in capsys.readouterr().err
+    assert main(["run", str(spec)]) == 2  # it said "got no task"
+    assert f"{spec} is a sweep spec: run it with `study sweep {spec}`" in capsys.readouterr().err
+    for command in ("status", "results"):
+        assert main([command, str(experiment)]) == 2
+        assert "is an experiment config (for `study run`), not a sweep spec" in capsys.readouterr().err
+        assert main([command, str(spec)]) == 2  # never run here: it said "results/default holds no sweep"
+        assert f"no sweep folder results/default (the sweep {spec} names): run `study sweep {spec}` first" in \
+            capsys.readouterr().err
+
+
+def test_the_documented_cost_of_a_spec_says_it_is_the_spec_as_written_once_set_changed_the_plan():
+    from study.sweep.plan import describe, expand, load_spec
+
+    path = REPO / "experiments" / "ablation_default.yaml"
+    plan = expand(*load_spec(path, {"seeds": [0], "train.max_steps": 3}))
+    assert "documented cost of the spec as written, before --set: 33 trials of 240 steps" in describe(plan, None, True)
+    assert "  documented cost: 33 trials" in describe(expand(*load_spec(path)))
+
+
+@pytest.mark.parametrize("command", ["report", "compare"])
+def test_report_and_compare_suggest_the_sweep_folder_close_to_a_mistyped_or_bare_name(here, capsys, command):
+    make_synthetic_sweep(here / "results" / "default")
+    for given in ("results/defualt", "default"):
+        assert main([command, given]) == 2
+        assert capsys.readouterr().err.strip() == (f"study {command}: no results directory at {given}; did you mean "
+                                                   "results/default?")

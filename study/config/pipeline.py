@@ -152,6 +152,8 @@ def load_experiment(path, overrides=()) -> ExperimentConfig | PipelineConfig:
         data = load_yaml(path.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ConfigError("ExperimentConfig", [f"{path}: not valid YAML: {err}"]) from None
+    if isinstance(data, dict) and "axes" in data:
+        raise ConfigError("ExperimentConfig", [f"{path} is a sweep spec: run it with `study sweep {path}`"])
     if not isinstance(data, dict) or not (data.get("task") or data.get("stages")):
         got = type(data).__name__ if not isinstance(data, dict) else "no task" if data else "an empty file"
         raise ConfigError("ExperimentConfig", [f"{path}: an experiment is a mapping with sections model, task (its "

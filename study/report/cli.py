@@ -130,11 +130,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                                             "differences (agree / disagree / inconclusive), and our numbers beside "
                                             "published numbers with their comparability stated.")
     cmp.add_argument("results", nargs="?", help="the sweep's results directory (optional when --runs is given)")
-    cmp.add_argument("--runs", nargs="+", metavar="RUN",
-                     help="recorded runs (run-*.json) or run directories to compare too (default: none with a results "
-                          f"directory, else {DEFAULT_RUNS})")
-    cmp.add_argument("--no-runs", action="store_true", help="compare the sweep only")
-    cmp.add_argument("--out", help="output directory (default: reports/<sweep>)")
+    which = cmp.add_mutually_exclusive_group()
+    which.add_argument("--runs", nargs="+", metavar="RUN",
+                       help="recorded runs (run-*.json) or run directories to compare too (default: none with a "
+                            f"results directory, else {DEFAULT_RUNS})")
+    which.add_argument("--no-runs", action="store_true", help="compare the sweep only")
+    cmp.add_argument("--out", help="output directory (default: reports/<sweep>; reports/runs for runs alone)")
     cmp.set_defaults(func=_cmd_compare)
 
 

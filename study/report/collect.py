@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from study.io import read_json_or_none
+from study.io import close_sweep_folders, read_json_or_none
 from study.record import (COSTS, DIRECTIONS, FINISHED, STATUSES, RunDir, interrupted, own_attempts,
                           stage_run_dirs)
 
@@ -665,7 +665,9 @@ def load_results(path: str | Path) -> SweepResults:
     path = Path(path)
     root = path.parent if path.is_file() else path
     if not root.is_dir():
-        raise FileNotFoundError(f"no results directory at {root}")
+        close = close_sweep_folders(root)
+        raise FileNotFoundError(f"no results directory at {root}" + (f"; did you mean {', '.join(close)}?" if close
+                                                                      else ""))
     plan: dict = json.loads((root / "plan.json").read_text()) if (root / "plan.json").is_file() else {}
     table, source = _read_table(path, root)
     if table is None and not plan:

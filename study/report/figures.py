@@ -828,7 +828,18 @@ def make_figures(results: SweepResults, out: str | Path, formats=("png", "svg"),
             if kind in kinds:
                 getattr(figures, kind)()
     if set(kinds) == set(KINDS) and out.is_dir():
-        drawn = {p for f in infos for p in f.paths}
-        for stale in [p for p in out.iterdir() if p.suffix in (".png", ".svg", ".pdf") and p not in drawn]:
-            stale.unlink()
+        _remove_stale(out, {p for f in infos for p in f.paths})
     return infos
+
+
+def _remove_stale(folder: Path, drawn: set[Path]) -> None:
+    """Remove the figures the earlier report in this folder drew (its report.md links them) that this one did not:
+    no stale figure is left behind, and a file of the user's own in the folder is never touched."""
+    import re
+
+    earlier = folder.parent / "report.md"
+    linked = set(re.findall(r"figures/([^)\s\"'<>]+)\.(?:png|svg|pdf)", earlier.read_text(errors="replace"))
+                 ) if earlier.is_file() else set()
+    for stale in [p for p in folder.iterdir() if p.suffix in (".png", ".svg", ".pdf") and p.stem in linked
+                  and p not in drawn]:
+        stale.unlink()

@@ -101,6 +101,9 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
     data = _yaml_file(path, str(path))
     if not isinstance(data, dict):
         raise SweepSpecError(f"{path}: a sweep spec is a mapping (name, base, axes, seeds, ...)")
+    if "axes" not in data and {"model", "task", "train"} & set(data):
+        raise SweepSpecError(f"{path} is an experiment config: run it with `study run {path}`; a sweep spec names "
+                             "its base config and the axes it varies (experiments/ablation_default.yaml)")
     data.setdefault("name", path.stem)  # as `study status|results SPEC` read it: one folder, results/<stem>
     stages = list(data.get("stages") or {}) if isinstance(data.get("stages"), dict) else []
     for key, value in (overrides or {}).items():
@@ -564,7 +567,7 @@ def check(plan: Plan) -> None:
         raise SweepSpecError(f"sweep {plan.spec.name!r}: the design has no points (every point excluded?)")
 
 
-def describe(plan: Plan, cost: dict[str, Any] | None = None) -> str:
+def describe(plan: Plan, cost: dict[str, Any] | None = None, overridden: bool = False) -> str:
     """The plan as printed before anything runs."""
     from study.sweep.estimate import si
 
@@ -605,7 +608,9 @@ def describe(plan: Plan, cost: dict[str, Any] | None = None) -> str:
             lines.append(f"  WARNING: {cost['emulated_bf16']}, and the time above assumes the float32 rate: on this "
                          "machine the trials would take far longer, or train far fewer steps within "
                          "train.max_time_s. Run them where bf16 is native (a Zen 4 or Sapphire Rapids CPU, a GPU: "
-                         f"--peak-flops gives its rate), or {float32}")
-    if s.cost_note:
-        lines.append(f"  documented cost: {s.cost_note}")
+                         f"--peak-flops gives its rate), or {float32} --results DIR (a float32 sweep is another "
+                         "study than a committed bf16 one: its own folder)")
+    if s.cost_note:  # (`overridden`: --set changed the plan, which the spec's note does not describe)
+        lines.append(f"  documented cost{' of the spec as written, before --set' if overridden else ''}: "
+                     f"{s.cost_note}")
     return "\n".join(lines)

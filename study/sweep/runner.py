@@ -11,6 +11,7 @@ once the sweep is complete. Other machines join by running the same command with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -78,7 +79,7 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     planning.check_parts(plan, opts.data_dir)
     workers = opts.workers or spec.workers
     threads = opts.threads or default_threads(workers)
-    say(planning.describe(plan, estimate(plan, opts.estimate_rate, workers, threads)))
+    say(planning.describe(plan, estimate(plan, opts.estimate_rate, workers, threads), overridden=bool(overrides)))
     try:
         assign(workers, gpus_per_trial(plan.to_dict()), visible_gpus())  # every worker its own GPUs, or one clear error
     except DeviceError as err:
@@ -335,18 +336,19 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> SweepStatus:
     keys = all_keys(plan)
     url = storage or _recorded_file_storage(layout) or default_url(layout.sweep_dir)
     validate_url(url)
+    check_storage(layout, url)  # another storage than the folder's is refused, as `study sweep` refuses it
     lines = [f"sweep {plan['sweep']!r}: {len(plan['points'])} points x {len(plan['seeds'])} seeds"
              + (f" (+ {len(keys) - len(plan['points']) * len(plan['seeds'])} tuning trials)" if plan.get("tune") else "")
              + f" = {len(keys)} trials"]
     error = None
-    if scheme(url) in ("sqlite", "journal") and not file_path(url).is_file():  # (opening it would create it)
-        lines.append(f"queue ({redact(url)}) unavailable: no queue file at {file_path(url)}: nothing was queued there")
-    else:
-        try:
-            lines += _queue_lines(plan, layout, url, keys)
-        except Exception as err:  # status still reports the files when the queue is unreachable
-            error = redact(str(err)).splitlines()[0] if str(err) else type(err).__name__
-            lines.append(f"queue ({redact(url)}) unavailable: {error}")
+    try:
+        if (nothing := _nothing_queued(url, plan["sweep"])) is not None:
+            lines.append(f"queue ({redact(url)}) unavailable: {nothing}: nothing was queued there")
+        else:
+            lines += _queue_lines(plan, url, keys)
+    except Exception as err:  # status still reports the files when the queue is unreachable
+        error = redact(str(err)).splitlines()[0] if str(err) else type(err).__name__
+        lines.append(f"queue ({redact(url)}) unavailable: {error}")
     on_disk = sum(layout.run(s.runs_point or s.point, s.seed).finished() is not None for s in specs)
     lines.append(f"finished seed-trial run directories: {on_disk}/{len(plan['points']) * len(plan['seeds'])}")
     from study.sweep.results import build_table, summary
@@ -355,9 +357,50 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> SweepStatus:
     return SweepStatus("\n".join(lines), error)
 
 
-def _queue_lines(plan: dict[str, Any], layout: SweepLayout, url: str, keys: list[str]) -> list[str]:
+def _nothing_queued(url: str, sweep: str) -> str | None:
+    """Why the storage holds no queue of `sweep` (no file there, an empty journal, no such study), or None; a
+    StorageError where a file there is no Optuna queue. Reads only: opening a storage writes (Optuna creates its
+    tables in a SQLite file, and a study in any storage), and status must not write a file it was only shown."""
+    if scheme(url) in ("sqlite", "journal"):
+        path = file_path(url)
+        if not path.exists():
+            return f"no queue file at {path}"
+        if not path.is_file():
+            raise StorageError(f"{path} is a folder, not a queue file")
+        if path.stat().st_size == 0:
+            return f"{path} is empty"
+        _check_queue_file(path, scheme(url))
+    storage = open_storage(url)
+    try:
+        storage.get_study_id_from_name(sweep)
+    except KeyError:
+        return f"no sweep {sweep!r} in this storage"
+    return None
+
+
+def _check_queue_file(path: Path, kind: str) -> None:
+    """A StorageError unless `path` is an Optuna SQLite database or journal, read without writing."""
+    import sqlite3
+
+    try:
+        if kind == "journal":
+            with open(path, "rb") as f:
+                first = json.loads(f.readline())
+            if not isinstance(first, dict) or "op_code" not in first:
+                raise ValueError("its first line is no journal operation")
+            return
+        with contextlib.closing(sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)) as db:
+            if not db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='studies'").fetchone():
+                raise ValueError("it has no `studies` table")
+    except (sqlite3.OperationalError, OSError) as err:  # (locked by a writer past the timeout, unreadable)
+        raise StorageError(f"cannot read {path}: {err}") from None
+    except (ValueError, sqlite3.Error, UnicodeDecodeError) as err:
+        raise StorageError(f"{path} is not an Optuna {'journal' if kind == 'journal' else 'SQLite queue'} ({err})"
+                           "; status does not write it") from None
+
+
+def _queue_lines(plan: dict[str, Any], url: str, keys: list[str]) -> list[str]:
     """The queue's counts, and each trial a stopped worker left running."""
-    check_storage(layout, url)
     queue = open_queue(plan, url, retry_s=0)  # status reports an outage, it does not wait it out
     counts = queue.counts(keys)
     lost, stalled = _interrupted(queue, keys)
