@@ -359,8 +359,9 @@ def status(sweep_dir: str | Path, storage: str | None = None) -> SweepStatus:
 
 def _nothing_queued(url: str, sweep: str) -> str | None:
     """Why the storage holds no queue of `sweep` (no file there, an empty journal, no such study), or None; a
-    StorageError where a file there is no Optuna queue. Reads only: opening a storage writes (Optuna creates its
-    tables in a SQLite file, and a study in any storage), and status must not write a file it was only shown."""
+    StorageError where a file there is no Optuna queue. A file is read before it is opened: opening writes (Optuna
+    creates its tables in a SQLite file, and the queue a study in any storage), and status must not write a file it
+    was only shown. (A server's database without Optuna's tables gets them when opened: it is there for queues.)"""
     if scheme(url) in ("sqlite", "journal"):
         path = file_path(url)
         if not path.exists():
