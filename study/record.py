@@ -261,6 +261,34 @@ def flatten_record(record: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+# --- a sweep's tables: results.parquet / results.csv, curves.parquet -----------------------------------------------
+class UnreadableTable(ValueError):
+    """A results (or curves) table is there but cannot be read: reported, never taken for a sweep in which nothing
+    ran (its rows may be the only record of trials whose run directories are elsewhere)."""
+
+
+def read_table(files: list[Path], read_csv: Any = None) -> tuple[Any, Path | None]:
+    """The first of `files` (parquet or CSV) that is there and reads as a sweep's table (it has a trial_key column),
+    and which file it was; (None, None) where none is there; UnreadableTable naming each one that is there but
+    cannot be read. `read_csv`: how a CSV is read (the report keeps axis labels as written). The sweep, which
+    writes the tables, and the report, which reads them, both read them here. (pandas is imported here.)"""
+    import pandas as pd
+
+    unreadable = []
+    for f in (f for f in files if f.is_file()):
+        try:
+            table = pd.read_parquet(f) if f.suffix == ".parquet" else (read_csv or pd.read_csv)(f)
+        except Exception as err:  # a parquet being rewritten by a running sweep: the CSV next
+            unreadable.append(f"{f} ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})")
+            continue
+        if "trial_key" in table.columns:
+            return table, f
+        unreadable.append(f"{f} (no trial_key column: not a results table)")
+    if unreadable:
+        raise UnreadableTable("; ".join(unreadable))
+    return None, None
+
+
 # --- sweeps' trial.json: who ran an attempt, and whether that process is still there --------------------------
 def own_attempts(trial: dict[str, Any] | None, sweep: str) -> list[dict[str, Any]]:
     """This sweep's attempts at a trial (trial.json), in the order they started. trial.json is shared by the sweeps

@@ -29,8 +29,8 @@ import numpy as np
 import pandas as pd
 
 from study.io import close_sweep_folders, read_json_or_none
-from study.record import (COSTS, DIRECTIONS, FINISHED, STATUSES, RunDir, interrupted, own_attempts,
-                          stage_run_dirs)
+from study.record import (COSTS, DIRECTIONS, FINISHED, STATUSES, RunDir, UnreadableTable, interrupted,
+                          own_attempts, read_table, stage_run_dirs)
 
 NOT_RUN = ("running", "pending")
 # `<split>_ppl_by_length.<L>` and `<split>_ppl_at_2x`: the LM task's extrapolation metrics, on the corpus's last
@@ -38,10 +38,6 @@ NOT_RUN = ("running", "pending")
 BY_LENGTH = re.compile(r"^metric\.(?P<split>[a-z]+)_ppl_by_length\.(?P<n>\d+)$")
 AT_2X = re.compile(r"^metric\.(?P<split>[a-z]+)_ppl_at_2x$")
 SPLIT_WORDS = {"valid": "validation", "test": "test", "dev": "dev"}
-
-
-class UnreadableTable(ValueError):
-    """A results table is there but cannot be read: reported, never taken for a sweep in which nothing ran."""
 
 
 class UndeclaredMetric(ValueError):
@@ -603,22 +599,12 @@ def check_direction(direction: Any, what: str, where: Path) -> None:
 
 def _read_table(path: Path, root: Path) -> tuple[pd.DataFrame | None, str]:
     files = [path] if path.is_file() else [root / "results.parquet", root / "results.csv"]
-    unreadable = []
-    for f in files:
-        if not f.is_file():
-            continue
-        try:
-            table = pd.read_parquet(f) if f.suffix == ".parquet" else _read_csv(f)
-        except Exception as err:  # a parquet being rewritten by a running sweep: fall back to the CSV
-            unreadable.append(f"{f} ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})")
-            continue
-        if "trial_key" in table.columns:
-            return table, f.name
-        unreadable.append(f"{f} (no trial_key column: not a results table)")
-    if unreadable:  # read as no table, a damaged one would report every trial as never run
-        raise UnreadableTable(f"the results table cannot be read: {'; '.join(unreadable)}; restore it (git "
-                              "checkout), or where the run directories are here move it aside and run `study results`")
-    return None, ""
+    try:
+        table, found = read_table(files, read_csv=_read_csv)
+    except UnreadableTable as err:  # read as no table, a damaged one would report every trial as never run
+        raise UnreadableTable(f"the results table cannot be read: {err}; restore it (git checkout), or where the run "
+                              "directories are here move it aside and run `study results`") from None
+    return table, found.name if found is not None else ""
 
 
 def _read_csv(path: Path) -> pd.DataFrame:

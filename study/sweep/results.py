@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from study.io import atomic_write, load_yaml, read_json, read_json_or_none
-from study.record import (DIVERGED, FINISHED, PENDING, RUNNING, RunDir, flatten_record, interrupted, metric_value,
-                          own_attempts, stage_run_dirs)
+from study.record import (DIVERGED, FINISHED, PENDING, RUNNING, RunDir, UnreadableTable, flatten_record, interrupted,
+                          metric_value, own_attempts, read_table, stage_run_dirs)
 from study.sweep.layout import SweepLayout, current_tuned, read_tuned, seed_key
 
 
@@ -306,21 +306,12 @@ def read_previous(stem: Path):
     whose run directories are elsewhere, and a table rebuilt without them would lose them."""
     import pandas as pd
 
-    unreadable = []
-    for path, read in ((stem.with_suffix(".parquet"), pd.read_parquet), (stem.with_suffix(".csv"), pd.read_csv)):
-        if path.is_file():
-            try:
-                table = read(path)
-            except (OSError, ValueError, ImportError) as err:
-                unreadable.append(f"{path} ({type(err).__name__})")
-                continue
-            if "trial_key" in table.columns:
-                return table
-            unreadable.append(f"{path} (no trial_key column)")
-    if unreadable:
-        raise ValueError(f"{' and '.join(unreadable)} cannot be read as the table written before; restore it "
-                         "(git checkout) or move it aside to rebuild the table from the run directories alone")
-    return pd.DataFrame(columns=["trial_key"])
+    try:
+        table, _ = read_table([stem.with_suffix(".parquet"), stem.with_suffix(".csv")])
+    except UnreadableTable as err:
+        raise UnreadableTable(f"{err} cannot be read as the table written before; restore it (git checkout) or move "
+                              "it aside to rebuild the table from the run directories alone") from None
+    return table if table is not None else pd.DataFrame(columns=["trial_key"])
 
 
 def curves_table(df, sweep_dir: Path):

@@ -55,14 +55,15 @@ class SweepOptions:
     storage_retry_s: float = DEFAULT_RETRY_S  # how long a worker waits out an unreachable storage
 
 
-def _check_data(plan: planning.Plan, opts: SweepOptions, layout: SweepLayout, keys_left: list[str]) -> None:
+def _check_data(plan: planning.Plan, plan_data: dict[str, Any], opts: SweepOptions, layout: SweepLayout,
+                keys_left: list[str]) -> None:
     """Refuse a sweep whose trials left to run could not read their data (a --data-dir without the dataset), before
     any of them starts: each would fail with it three times. Only the points with a trial left are read (a finished
     point's data may be gone); a --runner of one's own reads what it reads. A dry run reads no data: it may plan for
     another machine, and with the hub reachable it would download the datasets."""
     if opts.runner != DEFAULT_RUNNER:
         return
-    plan_data, left = read_json(layout.plan_path), set(keys_left)
+    left = set(keys_left)
     points = {s.point for s in trial_specs(plan_data, read_tuned(layout))
               if s.key in left and layout.run(s.runs_point or s.point, s.seed).finished() is None}
     if problems := reach.data_problems([p.config for p in plan.points if p.point in points], opts.data_dir):
@@ -167,7 +168,7 @@ def run_sweep(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], No
     if queue.counts(to_finish)["done"] == len(to_finish):
         say(f"sweep {plan.spec.name!r} is complete: nothing to run")
     else:
-        _check_data(plan, opts, layout, to_finish)
+        _check_data(plan, plan_data, opts, layout, to_finish)
         say(f"running with {workers} worker(s) x {threads} thread(s)")
         _run_workers(queue, layout, url, plan_data, opts, workers, threads, started)
     final = queue.counts(keys)
