@@ -189,3 +189,12 @@ def test_a_set_of_a_field_an_axis_sets_at_every_point_is_refused(tmp_path):
         "attention": {"mha": {"model.n_kv_heads": 4}, "gqa": {"model.n_kv_heads": 2}},
         "norm": {"field": "model.norm", "values": ["rmsnorm", "scalenorm"], "when": {"attention": ["gqa"]}}})
     assert not any("every point" in p for p in plan.refused), plan.refused
+
+
+@pytest.mark.parametrize("base", [{}, {"base": ""}])
+def test_a_spec_without_a_base_is_refused_rather_than_sweeping_the_default_experiment(tmp_path, base):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", **base, "axes": {"model.norm": ["layernorm", "rmsnorm"]}}))
+    with pytest.raises(SweepSpecError, match=r"base: missing: name the experiment every point starts from") as err:
+        expand(*load_spec(path))
+    assert "axes" not in str(err.value)  # the axes are fine: the one problem named is the base

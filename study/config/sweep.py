@@ -273,6 +273,10 @@ class SweepConfig(Config):
                 "study)")
         p.check(self.base is None or isinstance(self.base, (str, dict)), "base",
                 "must be the path of an experiment YAML or an inline {model, task, train} mapping")
+        # without it every point would silently train the defaults (a Tiny Shakespeare decoder)
+        p.check(self.base not in (None, "") or bool(self.stages), "base",
+                "missing: name the experiment every point starts from (an experiment YAML, relative to the spec, or "
+                "an inline {model, task, train} mapping), or give stages")
         p.choice("design", self.design, DESIGNS)
         p.check(isinstance(self.set, dict), "set", "must map section.field to a value")
         for key in (self.set if isinstance(self.set, dict) else {}):
