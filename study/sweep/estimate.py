@@ -110,9 +110,9 @@ def basis_sentence(cost: dict[str, Any]) -> str:
     bounded = cost.get("upper_bound_tasks") or []
     if not bounded:
         return "every sequence counted at task.seq_len, as the tasks fill it (packed): the FLOPs are exact"
-    return (f"an UPPER BOUND: sequences counted at task.seq_len, but {', '.join(bounded)} pad each batch only to its "
-            "longest example, and the dry run reads no data to measure it (short sentences: the real cost can be "
-            "several times lower)")
+    tasks = f"the {' and '.join(bounded)} task" + (" pads" if len(bounded) == 1 else "s pad")
+    return (f"an UPPER BOUND: sequences counted at task.seq_len, but {tasks} each batch only to its longest example, "
+            "and the dry run reads no data to measure it (short sentences: the real cost can be several times lower)")
 
 
 def _seconds(cfg: ExperimentConfig | PipelineConfig, flops: float, rate: float) -> float:
