@@ -13,6 +13,7 @@ import random
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -482,6 +483,35 @@ def test_exact_resume_after_a_kill(main_run, corpus, monkeypatch):
     for column in ("train/loss", "train/lr", "val/loss", "grad_norm/decoder.00", "grad_norm/other"):
         assert column_by_step(rows_b, column) == column_by_step(rows_a, column), column
     assert sorted(column_by_step(rows_b, "train/loss")) == [2, 5, 8, 11]  # history before the kill kept
+
+
+def test_tensorboard_is_told_to_hide_earlier_attempts_events_from_the_step_a_run_trains_first(main_run, monkeypatch,
+                                                                                               tmp_path):
+    """TensorBoard adds an event file per attempt and would draw the steps a resumed run trains again twice: its
+    SummaryWriter gets `purge_step`, the checkpoint's step (0 for a run from scratch). CI has no tensorboard: a
+    stand-in records what the logger is given; the next test checks the events where tensorboard is installed."""
+    from study.record import RunDir
+    from study.run.single import _loggers
+
+    made = []
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    monkeypatch.setattr("lightning.pytorch.loggers.TensorBoardLogger", lambda *a, **kw: made.append(kw))
+    ckpt = main_run["dir"] / "checkpoints" / "last.ckpt"
+    _loggers(RunDir(tmp_path / "resumed"), main_run["cfg"], ckpt)
+    _loggers(RunDir(tmp_path / "fresh"), main_run["cfg"], None)
+    step = torch.load(ckpt, weights_only=True)["global_step"]
+    assert step > 0 and [kw.get("purge_step") for kw in made] == [step, 0]
+
+
+def test_a_resumed_runs_tensorboard_events_hold_each_step_once(main_run, corpus, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    kill_during_step_9(corpus, main_run["cfg"], "resumed-tensorboard", monkeypatch)
+    run(corpus, main_run["cfg"], "resumed-tensorboard")  # steps 6-8 trained again
+    events = EventAccumulator(str(corpus["root"] / "resumed-tensorboard" / "logs" / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 5, 8, 11]
 
 
 class KilledValidatingAfterStep6(LMModule):

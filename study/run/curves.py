@@ -23,12 +23,17 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from study.io import atomic_write
 
 
+def checkpoint_step(ckpt_path: Path) -> int:
+    """The step a run resumed from this checkpoint trains next (Lightning's `global_step`: the steps done)."""
+    return int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+
+
 def rows_before(csv_path: Path, ckpt_path: Path) -> list[dict[str, str]]:
     """The rows of an interrupted attempt's CSV log for the steps before its last checkpoint. Rows of steps after
     it are dropped: the resumed run trains those steps again and logs them itself."""
     if not csv_path.is_file():
         return []
-    step = int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    step = checkpoint_step(ckpt_path)
     with open(csv_path, newline="") as f:
         text = f.read()
     if not text.endswith("\n"):  # an append a kill or a full disk cut short: its last row is a fragment

@@ -170,7 +170,7 @@ def _write_inputs(run: RunDir, cfg: ExperimentConfig, dm, resumes: bool) -> None
 def _loggers(run: RunDir, cfg: ExperimentConfig, resume_from: Path | None) -> list:
     """The CSV logger (flushed at every logged step, so a killed run's rows up to its checkpoint are on disk, and
     given back the rows before the checkpoint when resuming), and TensorBoard's when it is installed."""
-    from study.run.curves import CurvesLogger, rows_before
+    from study.run.curves import CurvesLogger, checkpoint_step, rows_before
 
     kept = rows_before(run.curves, resume_from) if resume_from else []
     csv_logger = CurvesLogger(run.path, name="logs", version="", flush_logs_every_n_steps=cfg.train.log_every,
@@ -181,7 +181,11 @@ def _loggers(run: RunDir, cfg: ExperimentConfig, resume_from: Path | None) -> li
         import tensorboard  # noqa: F401
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        loggers.append(TensorBoardLogger(run.path, name="logs", version="tb"))
+        # Each attempt adds an event file: SummaryWriter's purge_step hides the earlier attempts' events from the
+        # step this one trains first (its checkpoint's; 0 from scratch), as the CSV drops those rows; without it
+        # TensorBoard draws the steps trained again twice.
+        first_step = checkpoint_step(resume_from) if resume_from else 0
+        loggers.append(TensorBoardLogger(run.path, name="logs", version="tb", purge_step=first_step))
     except ImportError:
         pass
     return loggers
