@@ -303,13 +303,20 @@ class SweepResults:
         return labels
 
     def baseline_values(self) -> dict[str, str]:
-        """The baseline point's value on every axis (OFAT: the first value of each axis)."""
+        """The baseline point's value on every axis: as its trials ran, else as the plan lists the point. A grid's
+        baseline is its first point, the all-first-values cell only where no `exclude` rule removed that."""
         base = self._baseline_rows()
+        if not len(base):  # a grid (no point is_baseline), or a baseline that has not run
+            base = self.table[(self.table["label"] == self.baseline_label) & ~ran_off_plan(self.table)]
+        planned = next((p.get("axes") or {} for p in self.plan.get("points", [])
+                        if p.get("label") == self.baseline_label), {})
         out = {}
         for axis, values in self.axes.items():
             col = f"axis.{axis}"
             if len(base) and col in base and base[col].notna().any():
                 out[axis] = str(base[col].dropna().iloc[0])
+            elif axis in planned:
+                out[axis] = str(planned[axis])
             elif values:
                 out[axis] = values[0]
         return out
@@ -345,15 +352,17 @@ class SweepResults:
         spec = self.declaration(column, task)
         out = {}
         for field in spec.defined_by if spec is not None else ():
-            ran = {v for label in labels if (v := self._defining_value(label, field, spec.stage)) is not None}
+            # a cell that leaves the field unset beside one that sets it may run another value (eval_tokens: null is
+            # the whole split): unset is a value of its own, as the sweep's plan counts it
+            ran = {UNSET if (v := self._defining_value(label, field, spec.stage)) is None else v for label in labels}
             if len(ran) > 1:
                 out[field] = sorted(ran, key=_numbers_first)
         return out
 
     def _defining_value(self, label: str, field: str, stage: str | None) -> str | None:
         """The value cell `label` ran `field` (of `stage`) at: as tuning chose it (`tuned.<field>`), else as an axis
-        set it (`ran_at`: what ran), else as planned, literally (None where unset: every cell then has the default,
-        except a field the config derives, such as the tokenizer from the dataset, which is not recorded)."""
+        set it (`ran_at`: what ran), else as planned, literally (None where unset: the default, or what the config
+        derives, such as the tokenizer from the dataset, which is not recorded)."""
         spellings = self._spellings(field, stage)
         tuned = f"tuned.{(self.plan.get('tune') or {}).get('field')}"
         if tuned[len("tuned."):] in spellings and tuned in self.table:
@@ -521,6 +530,9 @@ class SweepResults:
         if not stages:
             return cfg
         return (stages.get(stage) if stage else list(stages.values())[-1]) or {}
+
+
+UNSET = "(unset)"  # a field a cell's config leaves to its default, beside cells that set it
 
 
 def _numbers_first(value: str) -> tuple:

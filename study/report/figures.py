@@ -681,7 +681,12 @@ class _TaskFigures:
     def paired(self) -> None:
         """The headline: the verdicts' paired differences, every variant against the baseline."""
         others = [lbl for lbl in self.labels if lbl != self.base]
-        if not others or self.mcol not in self.done:
+        if not others:
+            return
+        if self.mcol not in self.done:
+            if len(self.done):  # completed trials that wrote no value of the objective: say so under the figures
+                self.skip(f"{self.prefix}{self.name}-paired-differences", f"{self.name}: paired differences",
+                          "paired", self.task, None, f"no completed trial has a value of {self.name}")
             return
         paired = next((t.table for t in self.family if t.task == self.task and t.column == self.mcol), None)
         if paired is None:

@@ -265,8 +265,10 @@ def build_doc(results: SweepResults, figures: list[FigureInfo], out: Path, gener
     if drawn:
         doc.ul([f"{f.title} ({f.task}): " + " · ".join(f"[{p.suffix[1:].upper()}]({p.relative_to(out).as_posix()})"
                                                        for p in f.paths) for f in drawn])
-    else:
+    elif not counts.get("completed"):
         doc.p("No figures: no trial has completed yet.")
+    else:
+        doc.p("No figures: none could be drawn from the completed trials.")
     missing = [f for f in figures if not f.paths]
     if missing:
         doc.p("Figures not drawn, and why:")
@@ -698,10 +700,12 @@ def write_summary_tables(results: SweepResults, out: Path) -> list[Path]:
                     for t in family if t.task == task]
     paths = []
     for name, frames in (("summary.csv", summaries), ("paired.csv", paireds)):
+        path = out / name
         if frames:
-            path = out / name
             pd.concat(frames, ignore_index=True).to_csv(path, index=False)
             paths.append(path)
+        else:  # an earlier report's table would contradict this one (no trial has a value of the objective yet)
+            path.unlink(missing_ok=True)
     return paths
 
 

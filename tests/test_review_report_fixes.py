@@ -1,0 +1,90 @@
+"""study.report, after a review of what it could misstate: a field one cell leaves unset and another sets is defined
+differently (unset is a value of its own, as the sweep's plan counts it); a grid's baseline is its first planned
+point, with that point's own axis values, where an `exclude` rule removed the all-first cell; a report with no
+value of the objective leaves no earlier report's summary.csv or paired.csv behind; and completed trials without a
+figure are not said never to have completed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+
+matplotlib.use("Agg")
+
+from study.report import build_report  # noqa: E402
+from study.report.collect import load_results  # noqa: E402
+from synthetic_sweep import make_synthetic_sweep  # noqa: E402
+
+GRID = {"norm_position": ["pre", "post"], "position": ["rope", "alibi"]}
+
+
+def _sweep(tmp_path: Path, **kw) -> Path:
+    return make_synthetic_sweep(tmp_path / "s", partial=False, problems=False, with_runs=False, **kw)
+
+
+def _edit_plan(root: Path, edit) -> None:
+    plan = json.loads((root / "plan.json").read_text())
+    edit(plan)
+    (root / "plan.json").write_text(json.dumps(plan))
+
+
+def _edit_table(root: Path, edit) -> None:
+    table = edit(pd.read_parquet(root / "results.parquet"))
+    table.to_parquet(root / "results.parquet", index=False)
+    (root / "results.csv").unlink(missing_ok=True)
+
+
+def test_a_field_one_cell_leaves_unset_and_another_sets_defines_the_metric_differently(tmp_path):
+    """task.eval_tokens: null is the whole split; 32768 its first tokens: two losses over different text."""
+    root = _sweep(tmp_path, axes={"norm": ["rmsnorm", "layernorm"]})
+
+    def cap_baseline_only(plan):
+        for point in plan["points"]:
+            point["config"]["task"]["eval_tokens"] = 32768 if point["is_baseline"] else None
+    _edit_plan(root, cap_baseline_only)
+    r = load_results(root)
+    assert r.defined_differently("metric.valid_loss", "lm", ["baseline", "norm=layernorm"]) == {
+        "task.eval_tokens": ["32768", "(unset)"]}
+    assert r.defined_differently("metric.valid_loss", "lm", ["norm=layernorm"]) == {}
+    paired = pd.read_csv(build_report(root, tmp_path / "out", kinds=()).out / "paired.csv")
+    assert paired.query("metric == 'valid_loss'").set_index("label").loc["norm=layernorm", "verdict"] == \
+        "not comparable"
+
+
+def test_a_grid_whose_all_first_cell_is_excluded_holds_its_baseline_at_the_first_planned_points_values(tmp_path):
+    root = _sweep(tmp_path, design="grid", axes=GRID)
+    first = "norm_position=pre,position=rope"
+
+    def drop_first(plan):
+        assert plan["points"][0]["label"] == first
+        plan["points"] = plan["points"][1:]
+    _edit_plan(root, drop_first)
+    _edit_table(root, lambda t: t[t["label"] != first].reset_index(drop=True))
+    r = load_results(root)
+    assert r.baseline_label == "norm_position=pre,position=alibi"
+    assert r.baseline_values() == {"norm_position": "pre", "position": "alibi"}  # was position=rope: never ran
+    assert [label for _, label in r.axis_labels("norm_position")] == [
+        "norm_position=pre,position=alibi", "norm_position=post,position=alibi"]
+
+
+def test_a_report_without_a_value_of_the_objective_removes_an_earlier_reports_tables(tmp_path):
+    root = _sweep(tmp_path, axes={"norm": ["rmsnorm", "layernorm"]})
+    out = tmp_path / "out"
+    first = build_report(root, out, kinds=())
+    assert {p.name for p in first.tables} == {"summary.csv", "paired.csv"}
+    _edit_table(root, lambda t: t.drop(columns=["metric.valid_loss"]))
+    again = build_report(root, out, kinds=())
+    assert again.tables == [] and not (out / "summary.csv").exists() and not (out / "paired.csv").exists()
+
+
+def test_completed_trials_without_a_figure_are_not_said_never_to_have_completed(tmp_path):
+    root = _sweep(tmp_path, axes={"norm": ["rmsnorm", "layernorm"]})
+    _edit_table(root, lambda t: t.drop(columns=["metric.valid_loss"]))
+    md = build_report(root, tmp_path / "out", kinds=("paired", "metric")).markdown.read_text()
+    figures = md.split("## Figures", 1)[1]
+    assert "no trial has completed yet" not in figures
+    assert "No figures: none could be drawn from the completed trials." in figures
+    assert "valid_loss: paired differences (lm): no completed trial has a value of valid_loss" in figures
