@@ -293,6 +293,40 @@ def test_a_fine_tuning_stage_is_checked_against_the_pretrained_model_not_its_pla
     refuse_unrunnable_stages(PipelineConfig.from_dict({"name": "p", "stages": s}))
 
 
+def test_fine_tuning_longer_than_pretraining_is_refused_where_positions_are_learned_rows_per_position():
+    """Pretrained at 16 tokens with a 32-row learned table, rows 16-31 are never trained (they keep their random
+    start, weight decay aside): fine-tuning at 32 would read them. ALiBi has no rows; at 16 every row read is trained."""
+    from study.config import ConfigError
+    from study.run.pipeline import refuse_unrunnable_stages
+
+    s = stages()
+    s["pretrain"]["model"].update(position="learned", max_seq_len=32)
+    s["pretrain"]["task"]["seq_len"] = 16
+    s["glue"]["task"]["seq_len"] = 32
+    with pytest.raises(ConfigError, match=r"stages\.glue\.task\.seq_len: 32 is longer than the 16-token sequences the "
+                                          r"pretrained run trained its learned positions on: rows 16 to 31"):
+        refuse_unrunnable_stages(PipelineConfig.from_dict({"name": "p", "stages": s}))
+    s["glue"]["task"]["seq_len"] = 16
+    refuse_unrunnable_stages(PipelineConfig.from_dict({"name": "p", "stages": s}))
+    s["pretrain"]["model"]["position"] = "alibi"
+    s["glue"]["task"]["seq_len"] = 32
+    refuse_unrunnable_stages(PipelineConfig.from_dict({"name": "p", "stages": s}))
+
+
+def test_a_per_task_seq_len_beyond_the_pretrained_positions_is_refused_before_pretraining():
+    """The suite's seq_len was checked; a task's own (task.per_task) failed in that task's fine-tuning, after the
+    pretraining had run."""
+    from study.config import ConfigError
+    from study.run.pipeline import refuse_unrunnable_stages
+
+    s = stages()
+    s["pretrain"]["model"].update(position="learned", max_seq_len=32)
+    s["glue"]["task"]["per_task"] = {"cola": {"task.seq_len": 64}}
+    with pytest.raises(ConfigError, match=r"stages\.glue\.task\.per_task\.cola: task\.seq_len: 64 exceeds "
+                                          r"model\.max_seq_len=32"):
+        refuse_unrunnable_stages(PipelineConfig.from_dict({"name": "p", "stages": s}))
+
+
 def test_the_pipelines_env_json_names_each_stages_precision_where_they_differ():
     """The first stage's precision alone said the whole pipeline trained in it (the results table's env.precision)."""
     from study.run.pipeline import _precisions

@@ -38,6 +38,9 @@ class PositionScheme(nn.Module, abc.ABC):
     reads: ClassVar[tuple[str, ...]] = ()
     #: The C++ CPU kernel this value runs (study/axes/kernels/<name>.cpp), built before a CPU run trains; None: none.
     cpu_kernel: ClassVar[str | None] = None
+    #: True where a parameter row belongs to each absolute position: rows past the longest sequence a run trained
+    #: stay at their initial values, so a model fine-tuned on longer sequences reads untrained rows there.
+    learns_each_position: ClassVar[bool] = False
 
     def __init__(self, cfg, causal: bool):
         super().__init__()
@@ -96,6 +99,7 @@ class NoPosition(PositionScheme):
 class LearnedPosition(PositionScheme):
     extrapolates = False
     reads = ("max_seq_len",)
+    learns_each_position = True
 
     @staticmethod
     def num_parameters(cfg) -> int:

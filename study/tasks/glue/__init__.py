@@ -40,7 +40,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from study.config import ExperimentConfig
+from study.config import ConfigError, ExperimentConfig
 from study.config.pipeline import stage_ref
 from study.config.task import PER_TASK_MODEL_FIELDS, glue_task_key
 from study.tasks.contract import MetricSpec, SubRun, TaskFamily
@@ -173,7 +173,7 @@ class Glue(TaskFamily):
         model = pretrained.model.replace(nsp=False, dropout=cfg.model.dropout,
                                          attention_dropout=cfg.model.attention_dropout)
         resolved = cfg.replace(model=model)
-        resolved.check_resolved_model()
+        _check_lengths(resolved, pretrained)
         return resolved
 
     def sub_runs(self, cfg: ExperimentConfig, data_dir: str | Path | None) -> list[SubRun]:
@@ -259,6 +259,33 @@ class Glue(TaskFamily):
                          "from": str(cfg.task.init_from), "pretrain_task": pre.task.name,
                          "pretrain_objective": "mlm+nsp" if pre.model.nsp else "mlm",
                          "pretrain_seed": pre.train.seed}}
+
+
+def _check_lengths(resolved: ExperimentConfig, pretrained: ExperimentConfig) -> None:
+    """Every task's sequences (its per-task seq_len included) fit the pretrained positions; and where the scheme
+    learns a row per position, no task is longer than pretraining's sequences: the rows past them were never
+    trained (BERT pretrained its last 10% of steps at 512 tokens for this reason; Devlin et al. 2019, A.2)."""
+    from study.axes import POSITIONS
+
+    problems: list[str] = []
+    trained = pretrained.task.seq_len
+    for name in suite_tasks(resolved):
+        task_cfg = resolved.for_glue_task(name)
+        where = f"task.per_task.{glue_task_key(name)}: " if "task.seq_len" in resolved.task.per_task.get(
+            glue_task_key(name), {}) else ""
+        try:
+            task_cfg.check_resolved_model()
+        except ConfigError as err:
+            problems += [f"{where}{p}" for p in err.problems]
+            continue
+        if POSITIONS[task_cfg.model.position].learns_each_position and task_cfg.task.seq_len > trained:
+            problems.append(
+                f"{where}task.seq_len: {task_cfg.task.seq_len} is longer than the {trained}-token sequences the "
+                f"pretrained run trained its {task_cfg.model.position} positions on: rows {trained} to "
+                f"{task_cfg.task.seq_len - 1} of the table would be fine-tuned from their random start (fine-tune at "
+                f"task.seq_len <= {trained}, or pretrain at task.seq_len >= {task_cfg.task.seq_len})")
+    if problems := list(dict.fromkeys(problems)):
+        raise ConfigError(type(resolved).__name__, problems)
 
 
 def _none_available(missing: list[DatasetUnavailable]) -> DatasetUnavailable:
