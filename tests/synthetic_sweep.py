@@ -48,7 +48,7 @@ DECLARED = {
                  "valid_nsp_loss": _decl("minimize", "nats/pair", defined_by=PAIRS),
                  "valid_masked_tokens": _decl("maximize", "count", False),
                  "valid_nsp_pairs": _decl("maximize", "count", False)},
-    "glue": {"glue_score": _decl("maximize", "0-100", defined_by=("task.glue_tasks",)),
+    "glue": {"glue_score": _decl("maximize", "0-100", defined_by=("task.glue_tasks", "metric.glue_score_tasks")),
              "*_std": _decl("minimize", "0-100 (sample sd over fine-tuning seeds)", False),
              "seeds": _decl("maximize", "seed ids", False),
              "*/score": _decl("maximize", "0-100"),

@@ -33,8 +33,8 @@ def test_a_translation_sweep_is_labelled_an_upper_bound_with_its_reason():
     assert cost["length_basis"] == "upper bound" and cost["upper_bound_tasks"] == ["translation"]
     assert cost["upper_bound_points"] == [p.label for p in plan.points]  # every point pads per batch
     sentence = basis_sentence(cost)
-    assert sentence.startswith("an UPPER BOUND") and "the translation task pads each batch only to its longest example" \
-        in sentence
+    assert sentence.startswith("an UPPER BOUND")
+    assert "the translation task pads each batch only to its longest example" in sentence
 
 
 def test_a_pipeline_is_as_loose_as_its_loosest_stage():

@@ -295,7 +295,8 @@ def test_a_fine_tuning_stage_is_checked_against_the_pretrained_model_not_its_pla
 
 def test_fine_tuning_longer_than_pretraining_is_refused_where_positions_are_learned_rows_per_position():
     """Pretrained at 16 tokens with a 32-row learned table, rows 16-31 are never trained (they keep their random
-    start, weight decay aside): fine-tuning at 32 would read them. ALiBi has no rows; at 16 every row read is trained."""
+    start, weight decay aside): fine-tuning at 32 would read them. ALiBi has no rows; at 16 every row read is
+    trained."""
     from study.config import ConfigError
     from study.run.pipeline import refuse_unrunnable_stages
 

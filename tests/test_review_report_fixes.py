@@ -88,3 +88,21 @@ def test_completed_trials_without_a_figure_are_not_said_never_to_have_completed(
     assert "no trial has completed yet" not in figures
     assert "No figures: none could be drawn from the completed trials." in figures
     assert "valid_loss: paired differences (lm): no completed trial has a value of valid_loss" in figures
+
+
+def test_a_glue_score_averaged_over_other_tasks_than_the_baselines_is_not_comparable(tmp_path):
+    """Which tasks a suite scores is decided at run time (those whose data it could read; the hub may be
+    reachable for one trial and not another): glue_score declares the recorded glue_score_tasks among what defines
+    it, and a cell whose trials averaged other tasks gets no verdict."""
+    from synthetic_sweep import make_nsp_glue_sweep
+
+    root = make_nsp_glue_sweep(tmp_path / "nsp")
+    r = load_results(root)
+    assert r.defined_differently("metric.glue_score", "glue", ["baseline", "nsp=false"]) == {}
+    _edit_table(root, lambda t: t.assign(**{"metric.glue_score_tasks": t["metric.glue_score_tasks"].where(
+        (t["label"] != "nsp=false") | (t["seed"] != 1), "CoLA,MRPC,QNLI")}))
+    r = load_results(root)
+    assert r.defined_differently("metric.glue_score", "glue", ["baseline", "nsp=false"]) == {
+        "metric.glue_score_tasks": ["cola,mrpc", "cola,mrpc | cola,mrpc,qnli"]}
+    paired = pd.read_csv(build_report(root, tmp_path / "out", kinds=()).out / "paired.csv")
+    assert paired.query("metric == 'glue_score'").set_index("label").loc["nsp=false", "verdict"] == "not comparable"

@@ -198,3 +198,18 @@ def test_a_spec_without_a_base_is_refused_rather_than_sweeping_the_default_exper
     with pytest.raises(SweepSpecError, match=r"base: missing: name the experiment every point starts from") as err:
         expand(*load_spec(path))
     assert "axes" not in str(err.value)  # the axes are fine: the one problem named is the base
+
+
+def test_a_pipeline_experiment_given_as_a_spec_is_named_an_experiment_for_study_run():
+    path = EXPERIMENTS / "pretrain_then_glue.yaml"
+    with pytest.raises(SweepSpecError, match=r"is an experiment config: run it with `study run"):
+        load_spec(path)
+
+
+def test_a_suite_with_none_of_its_tasks_names_each_once():
+    from study.tasks.data import DatasetUnavailable
+    from study.tasks.glue import _none_available
+
+    missing = [DatasetUnavailable(f"GLUE {t}", hub_id=None, expected_files=[f"glue/{t}/train.tsv"]) for t in
+               ("RTE", "MRPC")]
+    assert str(_none_available(missing)).startswith("dataset 'GLUE RTE, GLUE MRPC' is not available.")

@@ -271,12 +271,7 @@ class SweepConfig(Config):
         p.check(bool(re.fullmatch(r"(?!\.+$)[A-Za-z0-9_.-]+", self.name)), "name",
                 f"{self.name!r}: use letters, digits and _ . - only, not dots alone (it names a directory and a "
                 "study)")
-        p.check(self.base is None or isinstance(self.base, (str, dict)), "base",
-                "must be the path of an experiment YAML or an inline {model, task, train} mapping")
-        # without it every point would silently train the defaults (a Tiny Shakespeare decoder)
-        p.check(self.base not in (None, "") or bool(self.stages), "base",
-                "missing: name the experiment every point starts from (an experiment YAML, relative to the spec, or "
-                "an inline {model, task, train} mapping), or give stages")
+        self._validate_base(p)
         p.choice("design", self.design, DESIGNS)
         p.check(isinstance(self.set, dict), "set", "must map section.field to a value")
         for key in (self.set if isinstance(self.set, dict) else {}):
@@ -328,6 +323,14 @@ class SweepConfig(Config):
                     p.add(f"exclude[{i}]", f"{axis_name!r} is not an axis; axes: {names}")
                 elif label_of(value) not in match[0].labels:
                     p.add(f"exclude[{i}]", f"{axis_name}={value!r} is not a value of that axis; values: {match[0].labels}")
+
+    def _validate_base(self, p: Problems) -> None:
+        p.check(self.base is None or isinstance(self.base, (str, dict)), "base",
+                "must be the path of an experiment YAML or an inline {model, task, train} mapping")
+        # without it every point would silently train the defaults (a Tiny Shakespeare decoder)
+        p.check(self.base not in (None, "") or bool(self.stages), "base",
+                "missing: name the experiment every point starts from (an experiment YAML, relative to the spec, or "
+                "an inline {model, task, train} mapping), or give stages")
 
     def _validate_tune(self, p: Problems) -> None:
         t = self.tune

@@ -353,8 +353,11 @@ class SweepResults:
         out = {}
         for field in spec.defined_by if spec is not None else ():
             # a cell that leaves the field unset beside one that sets it may run another value (eval_tokens: null is
-            # the whole split): unset is a value of its own, as the sweep's plan counts it
-            ran = {UNSET if (v := self._defining_value(label, field, spec.stage)) is None else v for label in labels}
+            # the whole split): unset is a value of its own, as the sweep's plan counts it; a recorded metric no
+            # completed trial of a cell wrote is unknown, not a value
+            values = [self._defining_value(label, field, spec.stage) for label in labels]
+            recorded = field.startswith("metric.")
+            ran = {v for v in values if v is not None} if recorded else {UNSET if v is None else v for v in values}
             if len(ran) > 1:
                 out[field] = sorted(ran, key=_numbers_first)
         return out
@@ -363,6 +366,8 @@ class SweepResults:
         """The value cell `label` ran `field` (of `stage`) at: as tuning chose it (`tuned.<field>`), else as an axis
         set it (`ran_at`: what ran), else as planned, literally (None where unset: the default, or what the config
         derives, such as the tokenizer from the dataset, which is not recorded)."""
+        if field.startswith("metric."):  # written by the run beside the metric: what each completed trial recorded
+            return self._recorded_value(label, field, stage)
         spellings = self._spellings(field, stage)
         tuned = f"tuned.{(self.plan.get('tune') or {}).get('field')}"
         if tuned[len("tuned."):] in spellings and tuned in self.table:
@@ -375,6 +380,16 @@ class SweepResults:
                 return value
         planned = config_field(self.experiment_config(label, stage), field)
         return None if planned is None else normalise_value(planned)
+
+    def _recorded_value(self, label: str, column: str, stage: str | None) -> str | None:
+        """The values cell `label`'s completed trials recorded in `column` (a metric of `stage`, under its stage's
+        prefix where that is an earlier stage), joined: seeds that recorded different ones make a value of their
+        own. None where none recorded it (a table written before the metric was)."""
+        if stage is not None and self.stages and stage != self.stages[-1]:
+            column = f"metric.{stage}.{column[len('metric.'):]}"
+        rows = self.table[(self.table["label"] == label) & (self.table["status"] == "completed")]
+        values = sorted({normalise_value(v) for v in rows[column].dropna()}) if column in rows else []
+        return " | ".join(values) or None
 
     def _spellings(self, field: str, stage: str | None) -> set[str]:
         """The paths a spec may set `field` of `stage` by (study.config.sweep.route's rule: in a study in stages a path

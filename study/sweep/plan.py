@@ -101,7 +101,10 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
     data = _yaml_file(path, str(path))
     if not isinstance(data, dict):
         raise SweepSpecError(f"{path}: a sweep spec is a mapping (name, base, axes, seeds, ...)")
-    if "axes" not in data and {"model", "task", "train"} & set(data):
+    stage_sections = [v for v in data.get("stages").values() if isinstance(v, dict)] if isinstance(
+        data.get("stages"), dict) else []
+    if "axes" not in data and ({"model", "task", "train"} & set(data)  # an experiment, or a pipeline of them
+                               or any({"model", "task", "train"} & set(v) for v in stage_sections)):
         raise SweepSpecError(f"{path} is an experiment config: run it with `study run {path}`; a sweep spec names "
                              "its base config and the axes it varies (experiments/ablation_default.yaml)")
     data.setdefault("name", path.stem)  # as `study status|results SPEC` read it: one folder, results/<stem>

@@ -192,7 +192,9 @@ def objective_definition(spec: SweepConfig, cfg: ExperimentConfig | PipelineConf
     stage, name = stage_metric(metric, spec.stage_names)
     exp = stage_config(cfg, stage)  # (as asked: resolving decides model fields, never these task fields)
     declared = family(exp.task.name).metric(name)
-    return {path: field_value(exp, path) for path in (declared.defined_by if declared else ())}
+    # (a `metric.*` entry is known only once the run has written it: the report compares those)
+    return {path: field_value(exp, path) for path in (declared.defined_by if declared else ())
+            if not path.startswith("metric.")}
 
 
 def contracts(cfg: ExperimentConfig | PipelineConfig) -> dict[str, dict[str, Any]]:

@@ -48,7 +48,9 @@ class MetricSpec:
     first word says it (`split_of`). `defined_by` are the config fields (`section.field`) that decide what the
     metric measures: a loss per token is per token of the tokenizer task.tokenizer and task.vocab_size make, BLEU
     with task.lowercase scores an easier task. Values measured under different settings of them are different
-    metrics under one name, and cannot rank one sweep."""
+    metrics under one name, and cannot rank one sweep. An entry `metric.NAME` is a metric the task writes beside it
+    that records what the run decided it measures (the GLUE score's tasks: those whose data the run could read):
+    only the results can say whether two cells measured the same thing."""
 
     name: str
     direction: str
