@@ -57,6 +57,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"study run: {err}", file=sys.stderr)
         return 2
+    if problems := _overridden_sets(cfg, args.set or []):
+        print("study run: " + "; ".join(problems), file=sys.stderr)
+        return 2
     from study.run import RunDirConflict, run_experiment
     from study.tasks.data import DataError
 
@@ -79,6 +82,39 @@ def _cmd_run(args: argparse.Namespace) -> int:
     summary = {k: v for k, v in metrics["metrics"].items() if not isinstance(v, dict)}
     print(json.dumps({"run_dir": str(out), "status": metrics["status"], "steps": metrics["steps"], **summary}, indent=2))
     return 0
+
+
+def _overridden_sets(cfg, sets: list[str]) -> list[str]:
+    """The `--set` fields the task replaces when it resolves the config (GLUE with task.init_from: the architecture
+    is the pretrained run's): the run would drop what the user asked for in silence, as `study sweep` refuses it in
+    a spec's `set`. A value that reaches part of a suite (tasks with their own per-task value) is kept, as there."""
+    from study.config import PipelineConfig
+    from study.config.base import parse_overrides
+    from study.tasks import family, resolved_stage
+
+    problems = []
+    for key in parse_overrides(sets):
+        stage, _, path = key.partition(".") if isinstance(cfg, PipelineConfig) else (None, "", key)
+        try:
+            exp = cfg.stages.get(stage) if isinstance(cfg, PipelineConfig) else cfg
+            if exp is None or "." not in path:
+                continue
+            ran = resolved_stage(cfg, stage) if isinstance(cfg, PipelineConfig) else family(exp.task.name).resolve(exp)
+        except (ValueError, KeyError):
+            return problems  # the run says what is wrong with the config itself
+        section, _, name = path.partition(".")
+        asked, runs = getattr(getattr(exp, section), name, None), getattr(getattr(ran, section), name, None)
+        if asked != runs:
+            problems.append(f"--set {key}: replaced when the task resolves the config (asked {asked!r}, runs "
+                            f"{runs!r}){_why(exp, path)}")
+    return problems
+
+
+def _why(exp, path: str) -> str:
+    from study.tasks import family
+
+    why = family(exp.task.name).overridden_fields(exp).get(path)
+    return f": {why}" if why else ""
 
 
 class _ToStderr(logging.StreamHandler):

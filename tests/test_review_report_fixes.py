@@ -106,3 +106,20 @@ def test_a_glue_score_averaged_over_other_tasks_than_the_baselines_is_not_compar
         "metric.glue_score_tasks": ["cola,mrpc", "cola,mrpc | cola,mrpc,qnli"]}
     paired = pd.read_csv(build_report(root, tmp_path / "out", kinds=()).out / "paired.csv")
     assert paired.query("metric == 'glue_score'").set_index("label").loc["nsp=false", "verdict"] == "not comparable"
+
+
+def test_study_run_refuses_a_set_the_task_replaces_before_anything_runs(tmp_path, capsys):
+    """GLUE fine-tuned from a pretrained stage takes its architecture from there: `--set glue.model.norm=rmsnorm`
+    ran layernorm, and config.yaml said so, with no word to the user (`study sweep` refuses it in a spec's `set`)."""
+    import yaml
+
+    from study.cli import main
+    from test_pipeline import stages
+
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump({"name": "p", "stages": stages()}, sort_keys=False))
+    assert main(["run", str(path), "--set", "glue.model.norm=rmsnorm", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--set glue.model.norm: replaced when the task resolves the config (asked 'rmsnorm', runs " \
+           "'layernorm'): task.init_from takes the architecture from the pretrained run" in err
+    assert not (tmp_path / "run").exists()
