@@ -88,6 +88,20 @@ def test_a_pipeline_stopped_by_a_diverged_stage_counts_the_time_of_every_stage_t
                               "pretrain": pre["cost"], "glue": glue["cost"]}
 
 
+def test_a_pipeline_that_found_its_pretraining_finished_costs_the_time_that_stage_took():
+    """A pretraining stage another trial of the sweep ran is handed back at once: the trial's own clock (3 s) said
+    it cost a fraction of the trial that trained it. Its wall time is at least its stages' own (8 + 2.5 s)."""
+    from study.record import COMPLETED, make_record
+    from study.run.pipeline import _pipeline_record
+
+    pre = make_record(COMPLETED, {"valid_mlm_loss": 4.0}, {"parameters": 10, "fit_seconds": 7.0,
+                                                           "wall_seconds": 8.0}, steps=3)
+    glue = make_record(COMPLETED, {}, {"parameters": 9, "fit_seconds": 2.0, "wall_seconds": 2.5}, steps=1)
+    ran = {"pretrain": (Path("pre"), pre), "glue": (Path("glue"), glue)}
+    assert _pipeline_record(pipeline(), ran, wall=3.0)["cost"]["wall_seconds"] == 10.5
+    assert _pipeline_record(pipeline(), ran, wall=11.0)["cost"]["wall_seconds"] == 11.0  # both ran: its own clock
+
+
 def test_a_pipeline_or_suite_with_a_part_its_time_budget_cut_short_says_so():
     """A reader of the top-level row must see that a stage (or a suite's part) ended at its time budget."""
     from study.record import COMPLETED, make_record, stopped_by_any

@@ -218,7 +218,7 @@ def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, A
     """The last stage's metrics, each earlier stage's under its name, and where every stage ran. Its cost: the time
     of every stage that ran (summed, as its steps and train tokens are), the last stage's model (parameters, FLOPs,
     memory, throughput: what the pipeline's result is a model of), and every stage's own cost under its name."""
-    from study.run.suite import TIME_COSTS, summed_times
+    from study.run.suite import TIME_COSTS, combined_wall, summed_times
 
     names = list(ran)
     _, last = ran[names[-1]]
@@ -230,7 +230,7 @@ def _pipeline_record(cfg: PipelineConfig, ran: dict[str, tuple[Path, dict[str, A
         declared.update({f"{name}.{k}": v for k, v in (ran[name][1].get("declared") or {}).items()})
     costs = {name: ran[name][1].get("cost") or {} for name in names}
     cost = {**{k: v for k, v in costs[names[-1]].items() if k not in TIME_COSTS and k != "wall_seconds"},
-            **summed_times(list(costs.values())), "wall_seconds": wall, **costs}
+            **summed_times(list(costs.values())), "wall_seconds": combined_wall(wall, list(costs.values())), **costs}
     stages = {n: {"run_dir": str(d), "status": r["status"], "steps": r.get("steps"), "stopped_by": r.get("stopped_by"),
                   "diverged_at_step": r.get("diverged_at_step"), **_seeds(cfg.stages[n])}
               for n, (d, r) in ran.items()}

@@ -30,9 +30,15 @@ from study.tasks.data.errors import DataError
 log = logging.getLogger(__name__)
 
 # The time costs a record of several runs (a suite, a pipeline) adds up over them, as it does their steps and train
-# tokens: the `seconds` of study.record.COSTS but wall_seconds, which such a record measures itself (its own wall time
-# also holds the time between its runs, and none for a run it found finished)
+# tokens: the `seconds` of study.record.COSTS but wall_seconds, which such a record measures itself (combined_wall)
 TIME_COSTS = tuple(k for k, (_, unit, _) in COSTS.items() if unit == "seconds" and k != "wall_seconds")
+
+
+def combined_wall(own: float, costs: list[dict[str, Any]]) -> float:
+    """A record of several runs: its own clock, which also holds the time between its runs; or, where that is less,
+    the sum of its runs' own wall times. A run it found finished (a pretraining stage another trial shares, parts
+    done before a kill) took its time when it ran: a trial that reuses it must not look cheaper than one that ran it."""
+    return max(own, sum(float(c.get("wall_seconds") or 0) for c in costs))
 
 
 class StartReplaced(RuntimeError):
@@ -111,7 +117,8 @@ def _combined_record(cfg: ExperimentConfig, task, results: dict[str, dict[str, A
     diverged = any(r["status"] == DIVERGED for r in ran)
     parameters = next((r["cost"].get("parameters") for r in ran if r.get("cost")), None)
     cost = {"parameters": parameters or parameter_count(cfg.model),
-            **summed_times([r.get("cost") or {} for r in ran]), "wall_seconds": wall}
+            **summed_times([r.get("cost") or {} for r in ran]),
+            "wall_seconds": combined_wall(wall, [r.get("cost") or {} for r in ran])}
     return make_record(DIVERGED if diverged else COMPLETED, task.combine(cfg, results), cost,
                        steps=sum(int(r.get("steps") or 0) for r in ran),
                        train_tokens=sum(int(r.get("train_tokens") or 0) for r in ran), stopped_by=stopped_by_any(ran),
