@@ -123,3 +123,20 @@ def test_study_run_refuses_a_set_the_task_replaces_before_anything_runs(tmp_path
     assert "--set glue.model.norm: replaced when the task resolves the config (asked 'rmsnorm', runs " \
            "'layernorm'): task.init_from takes the architecture from the pretrained run" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_status_sentence_tells_interrupted_trials_from_those_that_never_ran(tmp_path):
+    """After a Ctrl-C or kill -9 the report said '4 pending (never ran)' while its own table said two of them had
+    an attempt interrupted."""
+    from study.report.markdown import status_sentence
+
+    root = make_synthetic_sweep(tmp_path / "s", partial=True, problems=False, with_runs=False)
+    why = "last attempt interrupted: its worker (host/1) is gone; rerunning `study sweep` resumes it"
+    _edit_table(root, lambda t: t.assign(status=t["status"].replace("running", "pending"),
+                                         error=t["error"].where(t["status"] != "running", why)))
+    sentence = status_sentence(load_results(root))
+    assert sentence.endswith("; 4 pending (3 never ran, 1 interrupted: rerunning `study sweep` resumes it)"), sentence
+    _edit_table(root, lambda t: t.assign(error=t["error"].where(t["status"] != "pending", why)))
+    r = load_results(root)
+    r.table = r.table[r.table["status"].isin(["completed"]) | r.table["error"].fillna("").str.startswith("last")]
+    assert status_sentence(r).endswith("; 1 pending (interrupted: rerunning `study sweep` resumes it)")

@@ -191,9 +191,23 @@ def undeclared_columns(results: SweepResults, task: str, done: pd.DataFrame) -> 
 def status_sentence(results: SweepResults) -> str:
     c = results.status_counts
     total = sum(c.values())
-    parts = [f"{c[s]} {s}" for s in ("running", "pending", "failed", "diverged") if c.get(s)]
+    parts = [f"{c[s]} {s}" + (_pending_words(results) if s == "pending" else "")
+             for s in ("running", "pending", "failed", "diverged") if c.get(s)]
     text = f"{c['completed']} of {total} planned trials completed"
-    return text + ("; " + ", ".join(parts).replace("pending", "pending (never ran)") if parts else "")
+    return text + ("; " + ", ".join(parts) if parts else "")
+
+
+def _pending_words(results: SweepResults) -> str:
+    """Which pending trials never ran and which ran an attempt that ended unfinished (its worker killed or lost:
+    `study.sweep.results` says `last attempt ...`), which rerunning the sweep resumes."""
+    table = results.table
+    why = table.loc[table["status"] == "pending", "error"] if "error" in table else pd.Series(dtype=object)
+    tried = int(why.fillna("").astype(str).str.startswith("last attempt").sum())
+    never = int((table["status"] == "pending").sum()) - tried
+    if not tried:
+        return " (never ran)"
+    resumed = "rerunning `study sweep` resumes " + ("it" if tried == 1 else "them")
+    return f" ({never} never ran, {tried} interrupted: {resumed})" if never else f" (interrupted: {resumed})"
 
 
 def _interval_text(row) -> tuple[str, str]:
