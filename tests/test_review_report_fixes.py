@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import pytest
 import pandas as pd
 
 matplotlib.use("Agg")
@@ -140,3 +141,15 @@ def test_the_status_sentence_tells_interrupted_trials_from_those_that_never_ran(
     r = load_results(root)
     r.table = r.table[r.table["status"].isin(["completed"]) | r.table["error"].fillna("").str.startswith("last")]
     assert status_sentence(r).endswith("; 1 pending (interrupted: rerunning `study sweep` resumes it)")
+
+
+def test_init_from_a_pipelines_folder_names_where_its_stages_ran(tmp_path):
+    from study.tasks.glue.pretrained import pretrained_config
+
+    folder = tmp_path / "pipe"
+    folder.mkdir()
+    (folder / "metrics.json").write_text(json.dumps({"status": "completed", "stages": {
+        "pretrain": {"run_dir": "pipe/stages/abc/seed-0"}, "glue": {"run_dir": "pipe/glue"}}}))
+    with pytest.raises(ValueError, match=r"is a pipeline's folder, whose stages ran in pretrain: pipe/stages/abc/"
+                                         r"seed-0, glue: pipe/glue; give the pretraining stage's directory"):
+        pretrained_config(folder)

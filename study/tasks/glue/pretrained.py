@@ -24,13 +24,24 @@ def pretrained_config(init_from: str | Path) -> ExperimentConfig:
         raise ValueError(f"task.init_from: {run.path} does not exist; {HINT}")
     missing = [f for f in PRETRAIN_FILES if not (run / f).is_file()]
     if missing:
-        raise ValueError(f"task.init_from: {run.path} is not a finished pretrain run (missing {missing}); {HINT}")
+        raise ValueError(f"task.init_from: {run.path} is not a finished pretrain run (missing {missing}); "
+                         f"{_pipeline_hint(run) or HINT}")
     status = (run.read() or {}).get("status")
     if status != COMPLETED:
         raise ValueError(f"task.init_from: the run in {run.path} did not complete (status {status!r})")
     cfg = ExperimentConfig.from_yaml(run.config.read_text())
     check_pretrained(cfg, str(run.path))
     return cfg
+
+
+def _pipeline_hint(run: RunDir) -> str | None:
+    """Where a pipeline's stages ran, when `run` is a pipeline's folder (its stages are run directories elsewhere:
+    a pretraining stage is shared by every pipeline that runs it, under stages/<hash>/seed-<n>)."""
+    stages = (run.read() or {}).get("stages")
+    if not isinstance(stages, dict) or not stages:
+        return None
+    where = ", ".join(f"{name}: {s.get('run_dir')}" for name, s in stages.items() if isinstance(s, dict))
+    return f"{run.path} is a pipeline's folder, whose stages ran in {where}; give the pretraining stage's directory"
 
 
 def check_pretrained(cfg: ExperimentConfig, where: str) -> None:
