@@ -162,9 +162,14 @@ def _resumes_from(run_dir: Path, forced: bool = False) -> str:
     if not run.path.is_dir():
         return "nothing was written"
     again = "the same command without --force" if forced else "the same command"
-    if next(run.path.rglob("last.ckpt"), None) is not None:  # (a suite's or a pipeline's: in its parts)
-        return f"no result recorded; {again} resumes {run_dir} from its last checkpoint" + (
+    # a suite's or a pipeline's parts and stages: those finished are handed back, the others resumed or started
+    done = sum(1 for p in run.path.rglob("metrics.json") if p.parent != run.path and RunDir(p.parent).finished())
+    kept = f" (its {done} finished run(s) inside are kept)" if done else ""
+    if next(run.path.rglob("last.ckpt"), None) is not None:
+        return f"no result recorded; {again} resumes {run_dir} from its last checkpoint{kept}" + (
             " (with --force it would start again from scratch)" if forced else "")
+    if done:
+        return f"no result recorded; {again} goes on with {run_dir}{kept}, starting the rest"
     return f"no result recorded; {again} runs {run_dir} again (no checkpoint had been written)"
 
 

@@ -153,3 +153,17 @@ def test_init_from_a_pipelines_folder_names_where_its_stages_ran(tmp_path):
     with pytest.raises(ValueError, match=r"is a pipeline's folder, whose stages ran in pretrain: pipe/stages/abc/"
                                          r"seed-0, glue: pipe/glue; give the pretraining stage's directory"):
         pretrained_config(folder)
+
+
+def test_an_interrupted_pipeline_with_finished_stages_is_said_to_go_on_not_to_run_again(tmp_path):
+    """Ctrl-C after the pretraining stage finished (and before any fine-tuning checkpoint) said the same command
+    'runs the pipeline again (no checkpoint had been written)', as if the pretraining were lost."""
+    from study.cli import _resumes_from
+    from study.record import COMPLETED, RunDir, make_record
+
+    stage = tmp_path / "run" / "stages" / "abc" / "seed-0"
+    stage.mkdir(parents=True)
+    RunDir(stage).write(make_record(COMPLETED, {"valid_mlm_loss": 4.0}, {"parameters": 1}, steps=3))
+    said = _resumes_from(tmp_path / "run")
+    assert said == f"no result recorded; the same command goes on with {tmp_path / 'run'} (its 1 finished run(s) " \
+                   "inside are kept), starting the rest"
