@@ -496,6 +496,27 @@ def test_a_plan_that_would_drop_recorded_trials_whose_run_directories_are_absent
     prepare(spec, opts, say=lambda s: None)  # the spec that ran them: accepted
 
 
+def test_a_plan_that_leaves_out_finished_trials_whose_run_directories_are_here_says_so(tmp_path, monkeypatch):
+    """Their run directories stay, so the plan is accepted; but the folder's table and report then hold the new
+    plan's trials alone, and a changed `--set` said only '... newly queued'."""
+    import pandas as pd
+
+    from study.sweep import SweepOptions
+    from study.sweep.runner import prepare
+
+    repo = _shipped_default(tmp_path)
+    monkeypatch.chdir(tmp_path)  # (the table's run_dir paths are relative: results/runs/<point>/seed-<n>)
+    for run_dir in pd.read_csv(tmp_path / "results" / "default" / "results.csv")["run_dir"]:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    said: list[str] = []
+    prepare(repo / "experiments" / "ablation_default.yaml",
+            SweepOptions(results=tmp_path / "results", dry_run=True, estimate_rate=1e11), say=said.append,
+            overrides={"seeds": [0]})
+    note = next(line for line in said if "note:" in line)
+    assert "22 finished trial(s) of the plan this folder last ran are not in this one" in note
+    assert "results table and report will hold this plan's trials only" in note
+
+
 def test_a_recorded_finished_trial_is_kept_over_an_unfinished_attempt_of_it_here(tmp_path):
     """A committed completed row, and a run directory here holding only an interrupted attempt (no record): the
     table said `pending` and lost the recorded result."""

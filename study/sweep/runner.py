@@ -90,7 +90,10 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     layout = SweepLayout(Path(opts.results) / spec.name)
     url = opts.storage or default_url(layout.sweep_dir)
     validate_url(url)
-    refuse_dropping_records(layout, plan.to_dict())
+    if left := refuse_dropping_records(layout, plan.to_dict()):
+        say(f"  note: {len(left)} finished trial(s) of the plan this folder last ran are not in this one (e.g. "
+            f"{', '.join(left[:3])}): their run directories stay on disk, and a spec that plans them again finds "
+            "them finished; this folder's results table and report will hold this plan's trials only")
     if opts.dry_run:
         return plan, layout, url
     # before anything in the sweep folder is written or rewritten: another storage than the folder's is refused,
@@ -107,11 +110,12 @@ def prepare(spec_path: str | Path, opts: SweepOptions, say: Callable[[str], None
     return plan, layout, url
 
 
-def refuse_dropping_records(layout: SweepLayout, plan: dict[str, Any]) -> None:
+def refuse_dropping_records(layout: SweepLayout, plan: dict[str, Any]) -> list[str]:
     """Refuse a plan that would leave out of the sweep folder's results table a finished trial whose run directory
     is not here (a clean clone of a committed study, a copied folder): its row is then the only record, and the
     table is rebuilt for the planned trials alone. A spec of fewer seeds or other points under the same name (or
-    `--set seeds=...`) would drop such rows for good; the trials whose run directories are here stay on disk."""
+    `--set seeds=...`) would drop such rows for good; the trials whose run directories are here stay on disk, and
+    are returned (their keys), for the plan to say so."""
     from study.record import FINISHED
     from study.sweep.layout import seed_key
     from study.sweep.results import read_previous
@@ -119,15 +123,16 @@ def refuse_dropping_records(layout: SweepLayout, plan: dict[str, Any]) -> None:
     planned = {seed_key(plan, p["point"], s) for p in plan["points"] for s in plan["seeds"]}
     previous = read_previous(layout.sweep_dir / "results")
     if previous.empty or "status" not in previous:
-        return
-    dropped = [r["trial_key"] for r in previous.to_dict("records") if r["trial_key"] not in planned
-               and r.get("status") in FINISHED and not Path(str(r.get("run_dir") or "")).is_dir()]
+        return []
+    left = [r for r in previous.to_dict("records") if r["trial_key"] not in planned and r.get("status") in FINISHED]
+    dropped = [r["trial_key"] for r in left if not Path(str(r.get("run_dir") or "")).is_dir()]
     if dropped:
         raise planning.SweepSpecError(
             f"{layout.sweep_dir} holds {len(dropped)} finished trial(s) this spec does not plan (e.g. "
             f"{', '.join(sorted(dropped)[:3])}) whose run directories are not here: its results table is their only "
             "record, and running this plan there would drop them. Give this spec another name or --results folder "
             "(or restore the spec and seeds that ran them); nothing was run")
+    return sorted(str(r["trial_key"]) for r in left)
 
 
 def spec_as_run(spec_path: str | Path, overrides: dict[str, Any] | None) -> str:
