@@ -167,3 +167,24 @@ def test_an_interrupted_pipeline_with_finished_stages_is_said_to_go_on_not_to_ru
     said = _resumes_from(tmp_path / "run")
     assert said == f"no result recorded; the same command goes on with {tmp_path / 'run'} (its 1 finished run(s) " \
                    "inside are kept), starting the rest"
+
+
+def test_an_objective_of_a_glue_task_whose_data_cannot_be_read_is_refused_before_any_trial_starts(tmp_path):
+    """The suite skips a task it cannot read and scores the others: with that task's metric as the objective every
+    trial trained, then failed for the missing objective (the data check passed: SST-2 could be read)."""
+    import yaml
+
+    from study.sweep import SweepOptions, SweepSpecError, run_sweep
+    from test_glue_task import write_glue
+    from test_sweep_refusals import GLUE
+
+    data = write_glue(tmp_path / "data")  # QNLI without its training split
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "qnli", "base": GLUE["base"], "set": {**GLUE["set"], "task.glue_tasks": ["SST-2", "QNLI"]},
+        "axes": {"train.weight_decay": [0.0, 0.01]}, "seeds": [0], "objective": {"metric": "QNLI/accuracy"}}))
+    opts = SweepOptions(results=str(tmp_path / "results"), data_dir=str(data), estimate_rate=1e11)
+    with pytest.raises(SweepSpecError, match=r"(?s)none was started.*QNLI/accuracy is never written: the suite "
+                                             r"skips QNLI, whose data cannot be read"):
+        run_sweep(spec, opts, say=lambda _: None)
+    assert not (tmp_path / "results" / "qnli" / "runs").exists()

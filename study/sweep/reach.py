@@ -105,23 +105,29 @@ def _suite_parts(cfg: ExperimentConfig | PipelineConfig, stage: str | None, data
         return None, []
 
 
-def data_problems(configs: list[ExperimentConfig | PipelineConfig], data_dir: str | Path | None) -> list[str]:
+def data_problems(configs: list[ExperimentConfig | PipelineConfig], data_dir: str | Path | None,
+                  objective: str | None = None) -> list[str]:
     """What keeps the runs of `configs` (every stage of a pipeline) from reading their data, each dataset read once
     (by its task section: the same task settings read the same data): the DataError a trial would fail with, three
-    times, after its process started."""
+    times, after its process started; and the `objective` (a metric of the last stage) a run would not write for
+    want of its data (TaskFamily.metric_without_data), after training."""
     from study.tasks.data import DataError
 
     problems, seen = [], set()
     for cfg in configs:
-        for exp in (cfg.stages.values() if isinstance(cfg, PipelineConfig) else (cfg,)):
+        stages = list(cfg.stages.values()) if isinstance(cfg, PipelineConfig) else [cfg]
+        for exp in stages:
             if repr(exp.task) in seen:
                 continue
             seen.add(repr(exp.task))
             try:
                 family(exp.task.name).check_data(exp, data_dir)
+                why = family(exp.task.name).metric_without_data(exp, objective, data_dir) if (
+                    objective and exp is stages[-1]) else None
             except DataError as err:
-                if str(err) not in problems:
-                    problems.append(str(err))
+                why = str(err)
+            if why and why not in problems:
+                problems.append(why)
     return problems
 
 

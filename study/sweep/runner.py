@@ -66,7 +66,8 @@ def _check_data(plan: planning.Plan, plan_data: dict[str, Any], opts: SweepOptio
     left = set(keys_left)
     points = {s.point for s in trial_specs(plan_data, read_tuned(layout))
               if s.key in left and layout.run(s.runs_point or s.point, s.seed).finished() is None}
-    if problems := reach.data_problems([p.config for p in plan.points if p.point in points], opts.data_dir):
+    configs = [p.config for p in plan.points if p.point in points]
+    if problems := reach.data_problems(configs, opts.data_dir, plan.metric):
         raise planning.SweepSpecError("the data the trials left to run read cannot be read (each would fail with it; "
                                       "none was started):\n" + "\n".join(problems))
 

@@ -235,6 +235,12 @@ class TaskFamily(abc.ABC):
         so that a --data-dir without the dataset is one error, not every trial failing three times. Every family
         that reads data overrides it (tests/test_review_left.py checks the registered ones)."""
 
+    def metric_without_data(self, cfg: "ExperimentConfig", metric: str, data_dir: str | Path | None) -> str | None:
+        """Why a run of `cfg` on the data under `data_dir` would write no `metric` though it runs (a suite that skips
+        a task it cannot read, whose metric that is), or None. `study sweep` asks it of its objective before any
+        trial starts: every trial would train and then fail for the missing objective."""
+        return None
+
     def sub_runs(self, cfg: "ExperimentConfig", data_dir: str | Path | None) -> list[SubRun] | None:
         """None for a single run; else the runs that make up the experiment, each in its own run directory."""
         return None

@@ -102,6 +102,18 @@ class Glue(TaskFamily):
     def check_data(self, cfg: ExperimentConfig, data_dir) -> None:
         self.sub_runs(cfg, data_dir)  # (a suite runs the tasks it can read; DatasetUnavailable where it reads none)
 
+    def metric_without_data(self, cfg: ExperimentConfig, metric: str, data_dir) -> str | None:
+        """A task's metric (`QNLI/accuracy`) when the suite runs that task but cannot read its data: it skips the
+        task (as unavailable) and scores the others, so the metric is never written."""
+        task, slash, _ = metric.partition("/")
+        if not slash or task not in suite_tasks(cfg):
+            return None
+        try:
+            load_glue(task, data_dir)
+        except DatasetUnavailable as err:
+            return f"{metric} is never written: the suite skips {task}, whose data cannot be read:\n{err}"
+        return None
+
     def implementation(self):
         from study.tasks.glue.data import GlueDataModule
         from study.tasks.glue.module import GlueModule
