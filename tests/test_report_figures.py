@@ -196,6 +196,14 @@ def test_a_curve_no_variant_logged_gets_no_panel():
     assert [ax.get_title() for ax in fig.axes] == ["at the first logged step (initialisation)"]
 
 
+def test_a_training_curve_of_one_logged_point_is_drawn_as_a_marker():
+    """A run short enough to log once drew a line of one point: an empty panel listed as drawn."""
+    rows = pd.DataFrame({"label": ["baseline"], "seed": [0], "task": "lm"})
+    fig = plot_curves(_CurvesOnlyTraining(), rows, ["baseline"], variant_palette(["baseline"], "baseline"), "t")
+    line = next(line for line in fig.axes[0].get_lines() if line.get_label().startswith("baseline"))
+    assert len(line.get_xdata()) == 1 and line.get_marker() == "o"
+
+
 # -- an outlying seed is shown, not allowed to squash the rest ---------------------------------------------------------
 def test_an_outlying_seed_is_pinned_to_the_edge_and_the_axis_keeps_to_the_bulk():
     labels = ["baseline", "norm_position=post", "norm=layernorm", "position=alibi"]

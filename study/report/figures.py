@@ -315,8 +315,9 @@ def _draw_variant_curves(ax, sub: pd.DataFrame, column: str, label: str, colour,
     done, diverged = sub[~sub["diverged"].astype(bool)], sub[sub["diverged"].astype(bool)]
     if len(done):
         agg = done.groupby("step")[column].agg(["mean", "min", "max"]).reset_index()
+        # a curve of one logged point is no line: a marker shows it
         ax.plot(agg["step"], agg["mean"], color=colour, lw=1.6, label=f"{label} (n={done['seed'].nunique()})",
-                marker=marker, ms=3)
+                marker=marker or ("o" if len(agg) == 1 else None), ms=3)
         ax.fill_between(agg["step"], agg["min"], agg["max"], color=colour, alpha=0.15, lw=0)
     seeds = list(dict.fromkeys(diverged["seed"]))
     for i, seed in enumerate(seeds):
