@@ -577,3 +577,15 @@ def test_status_creates_no_queue_where_none_is(tmp_path):
     assert "no queue file at" in text and "finished seed-trial run directories: 0/33" in text
     assert not (tmp_path / "nope").exists()
     assert "no queue file at" in status(folder).text and not (folder / "study.db").exists()
+
+
+def test_a_killed_attempt_resumed_counts_once_in_the_results_table():
+    """A worker killed mid-trial leaves an entry that never ended; the next sweep runs the trial again as the same
+    attempt (the queue does not count it), and the table said attempts=2."""
+    from study.sweep.results import _attempt_count
+
+    killed, done = {"attempt": 1, "started": 1.0}, {"attempt": 1, "started": 2.0, "ended": 3.0, "outcome": "completed"}
+    failed = {"attempt": 1, "started": 0.5, "ended": 0.9, "outcome": "failed"}
+    assert _attempt_count([killed, done]) == 1
+    assert _attempt_count([failed, killed, done]) == 2
+    assert _attempt_count([killed]) == 1 and _attempt_count([]) == 0

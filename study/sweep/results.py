@@ -30,6 +30,12 @@ from study.record import (DIVERGED, FINISHED, PENDING, RUNNING, RunDir, Unreadab
 from study.sweep.layout import SweepLayout, current_tuned, read_tuned, seed_key
 
 
+def _attempt_count(attempts: list[dict[str, Any]]) -> int:
+    """Attempts as the queue counts them: an entry that never ended (its worker was killed) and was followed by
+    another is that attempt resumed, not one more (docs/sweeps.md)."""
+    return sum(1 for a in attempts[:-1] if "ended" in a) + (1 if attempts else 0)
+
+
 def _status(metrics: dict[str, Any] | None, attempts: list[dict[str, Any]],
             written: float | None = None, objective: str | None = None) -> tuple[str, str]:
     """(status, why) of a trial from its record and this sweep's attempts (`own_attempts`); `written`: when the
@@ -195,7 +201,7 @@ def trial_row(plan: dict[str, Any], point: dict[str, Any], seed: int, run_dir: P
     row.update(resolved_fields(plan, point, run, record if record and record.get("status") in FINISHED else None))
     attempts = own_attempts(read_json_or_none(run.trial), plan["sweep"])
     status, error = _status(record, attempts, _mtime(run.metrics), plan.get("objective", {}).get("metric"))
-    row.update(status=status, attempts=len(attempts), error=error)
+    row.update(status=status, attempts=_attempt_count(attempts), error=error)
     try:
         flat = flatten_record(record or {})
     except ValueError as err:  # a record this version cannot read: said with its file, not misread
