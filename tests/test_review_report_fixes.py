@@ -1,8 +1,11 @@
-"""study.report, after a review of what it could misstate: a field one cell leaves unset and another sets is defined
-differently (unset is a value of its own, as the sweep's plan counts it); a grid's baseline is its first planned
-point, with that point's own axis values, where an `exclude` rule removed the all-first cell; a report with no
-value of the objective leaves no earlier report's summary.csv or paired.csv behind; and completed trials without a
-figure are not said never to have completed."""
+"""What three reviews of this session found, as specifications. The report: a field one cell leaves unset and
+another sets is defined differently (unset is a value of its own, as the sweep's plan counts it), and so is a GLUE
+score averaged over other tasks (recorded at run time); a grid's baseline is its first planned point, with that
+point's own axis values, where an `exclude` rule removed the all-first cell; a report with no value of the objective
+leaves no earlier report's summary.csv or paired.csv behind; completed trials without a figure are not said never to
+have completed; interrupted trials are told from those that never ran. The run layer and CLI: `study run` refuses a
+`--set` the task replaces; `init_from` a pipeline's folder names its stages; Ctrl-C in a pipeline with finished stages
+says they are kept. The sweep: an objective whose data cannot be read is refused before any trial."""
 
 from __future__ import annotations
 
