@@ -90,23 +90,20 @@ def _overridden_sets(cfg, sets: list[str]) -> list[str]:
     a spec's `set`. A value that reaches part of a suite (tasks with their own per-task value) is kept, as there."""
     from study.config import PipelineConfig
     from study.config.base import parse_overrides
-    from study.tasks import family, resolved_stage
+    from study.sweep.reach import asked_and_run, stage_config
 
     problems = []
     for key in parse_overrides(sets):
         stage, _, path = key.partition(".") if isinstance(cfg, PipelineConfig) else (None, "", key)
+        if (isinstance(cfg, PipelineConfig) and stage not in cfg.stages) or "." not in path:
+            continue
         try:
-            exp = cfg.stages.get(stage) if isinstance(cfg, PipelineConfig) else cfg
-            if exp is None or "." not in path:
-                continue
-            ran = resolved_stage(cfg, stage) if isinstance(cfg, PipelineConfig) else family(exp.task.name).resolve(exp)
+            asked, runs = asked_and_run(cfg, stage, path)
         except (ValueError, KeyError):
             return problems  # the run says what is wrong with the config itself
-        section, _, name = path.partition(".")
-        asked, runs = getattr(getattr(exp, section), name, None), getattr(getattr(ran, section), name, None)
         if asked != runs:
             problems.append(f"--set {key}: replaced when the task resolves the config (asked {asked!r}, runs "
-                            f"{runs!r}){_why(exp, path)}")
+                            f"{runs!r}){_why(stage_config(cfg, stage), path)}")
     return problems
 
 
@@ -312,7 +309,9 @@ def _spec_name(spec: Path) -> str:
         data = load_yaml(spec.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ValueError(f"{spec}: not valid YAML: {' '.join(str(err).split())}") from None
-    if isinstance(data, dict) and "axes" not in data and {"model", "task", "train"} & set(data):
+    from study.config.pipeline import is_experiment_mapping
+
+    if is_experiment_mapping(data):
         raise ValueError(f"{spec} is an experiment config (for `study run`), not a sweep spec; give a sweep's spec "
                          "(experiments/ablation_default.yaml, experiments/sweeps/), its results folder, or its name")
     name = data.get("name", spec.stem) if isinstance(data, dict) else None

@@ -135,6 +135,17 @@ def apply_stage_overrides(data: dict[str, Any], assignments: dict[str, Any]) -> 
     return out
 
 
+def is_experiment_mapping(data: Any) -> bool:
+    """Whether a YAML mapping is an experiment (sections model, task, train) or a pipeline of them (stages holding
+    those sections) rather than a sweep spec, which names the axes it varies: what `study sweep` and `study status`
+    tell a user who gave them an experiment."""
+    if not isinstance(data, dict) or "axes" in data:
+        return False
+    stages = data.get("stages") if isinstance(data.get("stages"), dict) else {}
+    sections = [set(data), *(set(v) for v in stages.values() if isinstance(v, dict))]
+    return any({"model", "task", "train"} & keys for keys in sections)
+
+
 def load_experiment(path, overrides=()) -> ExperimentConfig | PipelineConfig:
     """An experiment YAML (one experiment, or a pipeline with `stages`) with `--set` overrides applied."""
     from pathlib import Path

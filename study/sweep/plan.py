@@ -19,7 +19,7 @@ import yaml
 from study.config import ConfigError, ExperimentConfig, PipelineConfig, content_hash
 from study.config.hashing import same_run_hash
 from study.config.experiment import set_fields
-from study.config.pipeline import STAGE_REF
+from study.config.pipeline import STAGE_REF, is_experiment_mapping
 from study.io import load_yaml
 from study.config.sweep import NOT_APPLICABLE, Axis, SweepConfig, label_of, route
 from study.sweep.estimate import basis_sentence
@@ -101,10 +101,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> tupl
     data = _yaml_file(path, str(path))
     if not isinstance(data, dict):
         raise SweepSpecError(f"{path}: a sweep spec is a mapping (name, base, axes, seeds, ...)")
-    stage_sections = [v for v in data.get("stages").values() if isinstance(v, dict)] if isinstance(
-        data.get("stages"), dict) else []
-    if "axes" not in data and ({"model", "task", "train"} & set(data)  # an experiment, or a pipeline of them
-                               or any({"model", "task", "train"} & set(v) for v in stage_sections)):
+    if is_experiment_mapping(data):
         raise SweepSpecError(f"{path} is an experiment config: run it with `study run {path}`; a sweep spec names "
                              "its base config and the axes it varies (experiments/ablation_default.yaml)")
     data.setdefault("name", path.stem)  # as `study status|results SPEC` read it: one folder, results/<stem>

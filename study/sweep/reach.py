@@ -37,6 +37,12 @@ def field_value(cfg: ExperimentConfig, path: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
+def asked_and_run(cfg: ExperimentConfig | PipelineConfig, stage: str | None, path: str) -> tuple[Any, Any]:
+    """The value `cfg` asks at `path` (`section.field`) of `stage`, and the value that runs once the task resolves
+    the config (GLUE under init_from: the pretrained architecture); a ValueError where it cannot be resolved."""
+    return field_value(stage_config(cfg, stage), path), field_value(resolved_stage(cfg, stage), path)
+
+
 def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, path: str,
                   partly: bool = False) -> str | None:
     """Why the value `cfg` holds at axis path `path` would not reach the trained model, or None. `partly`: a value
@@ -55,10 +61,9 @@ def value_problem(spec: SweepConfig, cfg: ExperimentConfig | PipelineConfig, pat
     if why is not None:
         return f"{path} does not reach the trained model: {why}"
     try:
-        resolved = resolved_stage(cfg, stage)
+        asked, runs = asked_and_run(cfg, stage, field)
     except ValueError as err:
         return str(err)
-    asked, runs = field_value(exp, field), field_value(resolved, field)
     if asked != runs:
         return f"{path} is replaced when the config is resolved (asked {asked!r}, runs {runs!r})"
     return None
